@@ -1,0 +1,116 @@
+"""ZeroConfig: the one validated description of a ZeRO training run.
+
+Every field is checked when the config is built; a bad value raises a ValueError that names the
+field and says what is allowed, so a typo fails at construction instead of deep inside a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STAGES = (0, 1, 2, 3)
+KERNELS = ("auto", "triton", "torch")
+
+#: What each stage shards, in the paper's words (Rajbhandari et al., SC20, Sec 5).
+STAGE_NAMES = {0: "baseline DP", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """What to shard, how to compute, and how to update.
+
+    Fields:
+        stage: 0 plain data parallel, 1 optimizer states sharded (Pos), 2 + gradients (Pos+g),
+            3 + parameters (Pos+g+p).
+        dtype: "fp32", "bf16" or "fp16": the dtype of parameters and gradients. The optimizer always
+            keeps fp32 master weights and moments (K = 12 bytes per parameter, as in the paper).
+        lr, betas, eps, weight_decay: AdamW hyper-parameters, with torch.optim.AdamW's semantics
+            (weight decay is decoupled and applied to every trainable parameter).
+        grad_clip: clip gradients to this global L2 norm (over all shards); None turns it off.
+        grad_accum_steps: micro-batches per optimizer step. `engine.backward` divides the loss by it,
+            so the update equals one on the concatenated batch.
+        bucket_numel: the constant size, in elements, of every fusion and communication buffer (the
+            paper's CB). A single parameter larger than this gets a bucket of its own.
+        overlap: run the reduction of a bucket asynchronously while backward continues.
+        prefetch: stage 3 only: how many parameter units to gather ahead of the one in use.
+        kernels: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch" for the optimizer step.
+        broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before each
+            forward, as DDP does, so that non-parameter state stays consistent across ranks.
+        initial_loss_scale, loss_scale_growth_interval, min_loss_scale: fp16 dynamic loss scaling:
+            the scale halves on overflow (that step is skipped on every rank) and doubles after
+            `loss_scale_growth_interval` clean steps.
+    """
+
+    stage: int = 0
+    dtype: str = "fp32"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip: float | None = None
+    grad_accum_steps: int = 1
+    bucket_numel: int = 2**22
+    overlap: bool = True
+    prefetch: int = 1
+    kernels: str = "auto"
+    broadcast_buffers: bool = True
+    initial_loss_scale: float = 2.0**16
+    loss_scale_growth_interval: int = 2000
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.stage in STAGES and not isinstance(self.stage, bool) and isinstance(self.stage, int),
+               "stage", self.stage, "one of 0, 1, 2, 3")
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(map(repr, DTYPES))}")
+        _check(_finite_number(self.lr) and self.lr >= 0, "lr", self.lr, "a finite number >= 0")
+        betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else None
+        _check(betas is not None and len(betas) == 2 and all(_finite_number(b) and 0 <= b < 1 for b in betas),
+               "betas", self.betas, "a pair of numbers in [0, 1)")
+        object.__setattr__(self, "betas", tuple(float(b) for b in betas))
+        _check(_finite_number(self.eps) and self.eps > 0, "eps", self.eps, "a finite number > 0")
+        _check(_finite_number(self.weight_decay) and self.weight_decay >= 0, "weight_decay",
+               self.weight_decay, "a finite number >= 0")
+        _check(self.grad_clip is None or (_finite_number(self.grad_clip) and self.grad_clip > 0),
+               "grad_clip", self.grad_clip, "None (off) or a finite number > 0")
+        _check(_positive_int(self.grad_accum_steps), "grad_accum_steps", self.grad_accum_steps,
+               "an integer >= 1")
+        _check(_positive_int(self.bucket_numel), "bucket_numel", self.bucket_numel, "an integer >= 1")
+        _check(isinstance(self.overlap, bool), "overlap", self.overlap, "True or False")
+        _check(isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool) and self.prefetch >= 0,
+               "prefetch", self.prefetch, "an integer >= 0")
+        _check(self.kernels in KERNELS, "kernels", self.kernels, f"one of {', '.join(map(repr, KERNELS))}")
+        _check(isinstance(self.broadcast_buffers, bool), "broadcast_buffers", self.broadcast_buffers,
+               "True or False")
+        _check(_finite_number(self.initial_loss_scale) and self.initial_loss_scale > 0,
+               "initial_loss_scale", self.initial_loss_scale, "a finite number > 0")
+        _check(_positive_int(self.loss_scale_growth_interval), "loss_scale_growth_interval",
+               self.loss_scale_growth_interval, "an integer >= 1")
+        _check(_finite_number(self.min_loss_scale) and 0 < self.min_loss_scale <= self.initial_loss_scale,
+               "min_loss_scale", self.min_loss_scale, "a finite number in (0, initial_loss_scale]")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of parameters and gradients."""
+        return DTYPES[self.dtype]
+
+    def replace(self, **changes) -> "ZeroConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check(ok: bool, name: str, value, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"ZeroConfig.{name} = {value!r} is not allowed: expected {allowed}")

@@ -1,0 +1,88 @@
+"""Knowing when a bucket's gradients are complete, and reducing buckets in the same order on every rank.
+
+Autograd calls a parameter's post-accumulate-grad hook once per backward, after every use of the
+parameter has contributed to its `.grad` (uses of one parameter share one AccumulateGrad node). The
+stage copies that gradient into its flat buffer, drops `.grad`, and tells `GroupArrivals`. When a
+group's last parameter has arrived, the group is ready to be reduced.
+
+Collectives must be issued in the same order on every rank, or they pair up wrongly. So a ready
+group is launched only once every group before it in a fixed launch order has been launched; a
+group that waits for an earlier one is launched as soon as that one is. At the end of backward,
+`flush` launches whatever is left (groups holding parameters that got no gradient this time, for
+which the buffer simply holds zeros), again in order.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Sequence
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .partition import FlatGroup
+
+
+class GroupArrivals:
+    """Per-group arrival counting and in-order launching for one backward pass.
+
+    Args:
+        groups: the flat groups.
+        launch: called with a group index to start that group's reduction.
+        order: the launch order (group indices); group index order by default.
+    """
+
+    def __init__(self, groups: Sequence[FlatGroup], launch: Callable[[int], None],
+                 order: Sequence[int] | None = None):
+        self.groups = groups
+        self.launch = launch
+        self.order = list(order) if order is not None else list(range(len(groups)))
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the previous backward."""
+        self.arrived = [[False] * len(g.params) for g in self.groups]
+        self.missing = [len(g.params) for g in self.groups]
+        self.launched = [False] * len(self.groups)
+        self.position = 0
+
+    def set_order(self, order: Sequence[int]) -> None:
+        self.order = list(order)
+
+    def arrive(self, g: int, i: int) -> None:
+        """Parameter i of group g has its gradient for this backward."""
+        if self.launched[g]:
+            name = tuple(self.groups[g].params[i].shape)
+            raise RuntimeError(
+                f"a gradient for a parameter of shape {name} in group {g} arrived after that group was "
+                "reduced: a parameter's gradient was produced twice in one backward (e.g. by a second "
+                "autograd.backward call before engine.step)")
+        if not self.arrived[g][i]:
+            self.arrived[g][i] = True
+            self.missing[g] -= 1
+        self._advance()
+
+    def _advance(self) -> None:
+        while self.position < len(self.order) and self.missing[self.order[self.position]] == 0:
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        g = self.order[self.position]
+        self.position += 1
+        self.launched[g] = True
+        self.launch(g)
+
+    def flush(self) -> None:
+        """Launch every group not launched yet, in order."""
+        while self.position < len(self.order):
+            self._launch_next()
+
+
+def register_grad_hooks(groups: Sequence[FlatGroup], on_grad: Callable[[int, int, nn.Parameter], None]
+                        ) -> list[RemovableHandle]:
+    """Call `on_grad(g, i, param)` after autograd has accumulated the gradient of param i of group g."""
+    handles = []
+    for group in groups:
+        for i, param in enumerate(group.params):
+            handles.append(param.register_post_accumulate_grad_hook(partial(on_grad, group.index, i)))
+    return handles

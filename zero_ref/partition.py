@@ -1,0 +1,130 @@
+"""Flat buffers, padded shard ranges and constant-size buckets (the paper's CB).
+
+A `FlatGroup` is a set of parameters laid back to back in one flat buffer. Its length is padded up
+to a multiple of the data-parallel world size Nd, so that the buffer splits into Nd equal shards:
+rank r owns elements [r * shard_numel, (r + 1) * shard_numel). Padding is never truncated and is
+always zero, so it changes no sum and no norm.
+
+Every stage works on groups:
+- stages 0-2 pack parameters into groups of at most `bucket_numel` elements (a parameter larger
+  than that is a group of its own), so each group is one constant-size communication bucket;
+- stage 3 makes one group per module unit (see stage3.py), the granularity of its gathers.
+
+A rank's shard of the whole model is the concatenation of its shards of every group, in group
+order; `GroupLayout` says where each group's shard starts in that concatenation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+
+@dataclass
+class FlatGroup:
+    """Parameters `params` at `offsets` in a flat buffer of `padded_numel` elements."""
+
+    index: int
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    padded_numel: int
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of rank `rank`'s shard inside this group's flat buffer."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def param_ranges(self) -> Iterable[tuple[nn.Parameter, int, int]]:
+        """(param, start, end) of each parameter inside the flat buffer."""
+        for param, offset in zip(self.params, self.offsets):
+            yield param, offset, offset + param.numel()
+
+
+def make_group(index: int, params: Sequence[nn.Parameter], world_size: int) -> FlatGroup:
+    """Lay `params` back to back and pad the total to a multiple of `world_size`."""
+    offsets, total = [], 0
+    for param in params:
+        offsets.append(total)
+        total += param.numel()
+    padded = -(-total // world_size) * world_size
+    return FlatGroup(index, list(params), offsets, total, padded, world_size)
+
+
+def pack_into_buckets(params: Sequence[nn.Parameter], bucket_numel: int, world_size: int) -> list[FlatGroup]:
+    """Greedily pack `params`, in the given order, into groups of at most `bucket_numel` elements."""
+    buckets: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for param in params:
+        if current and size + param.numel() > bucket_numel:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(param)
+        size += param.numel()
+    if current:
+        buckets.append(current)
+    return [make_group(i, bucket, world_size) for i, bucket in enumerate(buckets)]
+
+
+class GroupLayout:
+    """Where each group lives in the concatenation of all groups (full) and of one rank's shards."""
+
+    def __init__(self, groups: Sequence[FlatGroup]):
+        self.groups = list(groups)
+        self.full_offsets, self.shard_offsets = [], []
+        full = shard = 0
+        for group in self.groups:
+            self.full_offsets.append(full)
+            self.shard_offsets.append(shard)
+            full += group.padded_numel
+            shard += group.shard_numel
+        self.full_numel, self.shard_numel = full, shard
+        self.numel = sum(g.numel for g in self.groups)
+
+    def full_slice(self, flat: torch.Tensor, g: int) -> torch.Tensor:
+        """Group g's part of a full-length concatenated buffer."""
+        start = self.full_offsets[g]
+        return flat[start:start + self.groups[g].padded_numel]
+
+    def shard_slice(self, flat_shard: torch.Tensor, g: int) -> torch.Tensor:
+        """Group g's part of a rank's concatenated shard buffer."""
+        start = self.shard_offsets[g]
+        return flat_shard[start:start + self.groups[g].shard_numel]
+
+    def own_slice(self, flat: torch.Tensor, g: int, rank: int) -> torch.Tensor:
+        """Rank `rank`'s shard of group g, as a view of a full-length concatenated buffer."""
+        lo, hi = self.groups[g].shard_range(rank)
+        return self.full_slice(flat, g)[lo:hi]
+
+
+def copy_params_into(group: FlatGroup, flat: torch.Tensor) -> None:
+    """Copy (and cast) the current values of the group's parameters into its flat buffer; zero the padding."""
+    with torch.no_grad():
+        for param, start, end in group.param_ranges():
+            flat[start:end].copy_(param.detach().reshape(-1))
+        flat[group.numel:].zero_()
+
+
+def bind_params_to(group: FlatGroup, flat: torch.Tensor) -> None:
+    """Make each parameter of the group a view of its range in `flat` (same Parameter objects, so
+    ties and user references survive; the old storage is freed)."""
+    for param, start, end in group.param_ranges():
+        param.data = flat[start:end].view(param.shape)
+
+
+def flatten_params(layout: GroupLayout, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One flat buffer in `dtype` holding every group's parameters (converted in place: each
+    parameter becomes a view of its range, so no second full copy stays alive)."""
+    flat = torch.empty(layout.full_numel, dtype=dtype, device=device)
+    for g, group in enumerate(layout.groups):
+        copy_params_into(group, layout.full_slice(flat, g))
+        bind_params_to(group, layout.full_slice(flat, g))
+    return flat

@@ -1,0 +1,95 @@
+"""Stage 1 (Pos): optimizer states sharded.
+
+Sharded: the fp32 master weights and both Adam moments (KΨ bytes) are split into Nd equal shards;
+rank r keeps only shard r of each bucket, so optimizer state costs KΨ/Nd per rank. Parameters
+(2Ψ) and gradients (2Ψ) stay full on every rank: 4Ψ + KΨ/Nd in all.
+
+Communicated, at the last micro-batch of a step:
+1. backward: as each gradient bucket completes, it is reduce-scattered (averaged) in place, so
+   rank r ends up with the averaged gradient of exactly the shard it updates (Ψ elements per step);
+   the rest of its gradient buffer is left as its local gradients and never read;
+2. step: each rank updates its shard of the fp32 master and writes the rounded result into its
+   shard of the flat parameter buffer;
+3. after the update, each bucket of the parameter buffer is all-gathered in place (Ψ elements).
+Reduce-scatter plus all-gather is exactly an all-reduce split in two, so the total stays 2Ψ, as
+for plain data parallelism (paper Sec 7.2.1).
+
+Layout: as stage 0, but every bucket is padded to a multiple of Nd so that it splits evenly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .comm import Comm
+from .config import ZeroConfig
+from .grad_hooks import GroupArrivals, register_grad_hooks
+from .optim import ShardedAdamW
+from .partition import GroupLayout, flatten_params, pack_into_buckets
+from .precision import make_fp32_master
+from .stage_base import Stage
+
+
+class Stage1(Stage):
+    """Optimizer-state partitioning with full gradients and parameters."""
+
+    def __init__(self, trainable: list[nn.Parameter], config: ZeroConfig, comm: Comm):
+        super().__init__(trainable, config, comm)
+        self.groups = pack_into_buckets(trainable[::-1], config.bucket_numel, self.world_size)
+        self.layout = GroupLayout(self.groups)
+        self.flat_params = flatten_params(self.layout, self.dtype, self.device)
+        self.flat_grads = torch.zeros_like(self.flat_params)
+        self.param_shards = [self.layout.own_slice(self.flat_params, g, self.rank) for g in range(len(self.groups))]
+        self.grad_shards = [self.layout.own_slice(self.flat_grads, g, self.rank) for g in range(len(self.groups))]
+        self.optimizer = ShardedAdamW(make_fp32_master(self.param_shards), config)
+
+        self.arrivals = GroupArrivals(self.groups, self._launch_reduce_scatter)
+        self.hooks = register_grad_hooks(self.groups, self._on_grad)
+        self.boundary = True
+        self.in_flight: list = []
+
+    def _on_grad(self, g: int, i: int, param: nn.Parameter) -> None:
+        start = self.groups[g].offsets[i]
+        grad_bucket = self.layout.full_slice(self.flat_grads, g)
+        grad_bucket[start:start + param.numel()].add_(param.grad.reshape(-1))
+        param.grad = None
+        if self.boundary:
+            self.arrivals.arrive(g, i)
+
+    def _launch_reduce_scatter(self, g: int) -> None:
+        grad_bucket = self.layout.full_slice(self.flat_grads, g)
+        work = self.comm.reduce_scatter_avg(self.grad_shards[g], grad_bucket, async_op=self.config.overlap)
+        if work is not None:
+            self.in_flight.append(work)
+
+    def begin_backward(self, boundary: bool) -> None:
+        self.boundary = boundary
+        self.arrivals.reset()
+
+    def end_backward(self, boundary: bool) -> None:
+        if not boundary:
+            return
+        self.arrivals.flush()
+        for work in self.in_flight:
+            work.wait()
+        self.in_flight.clear()
+
+    def grad_segments(self) -> list[torch.Tensor]:
+        return self.grad_shards
+
+    def low_precision_segments(self) -> list[torch.Tensor | None]:
+        return self._low_precision(self.param_shards)
+
+    def after_update(self) -> None:
+        self._all_gather_params(self.layout, self.flat_params, self.param_shards)
+
+    def zero_grads(self) -> None:
+        self.flat_grads.zero_()
+
+    def full_master(self, g: int) -> torch.Tensor:
+        return self._gather_master(g, self.optimizer.masters[g])
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": [self.flat_params], "grads": [self.flat_grads],
+                "optimizer_states": self.optimizer.state_tensors()}
