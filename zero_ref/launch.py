@@ -51,6 +51,8 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, result_dir: 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=collective_timeout_s))
     try:

@@ -1,7 +1,8 @@
 """Small models and synthetic data for the CLI, tests and experiments.
 
 Models are plain `nn.Module`s built from configs (nothing is downloaded) and know nothing about
-sharding. Data is a deterministic stream of random token ids: every rank draws the same global
+sharding. Data is a deterministic stream of learnable token sequences (arithmetic progressions
+modulo the vocabulary, each with a random start and stride): every rank draws the same global
 batch from the same seed and keeps its own slice, so a run at any world size sees the same samples.
 """
 
@@ -32,13 +33,16 @@ def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def token_batches(vocab_size: int, global_batch: int, seq_len: int, rank: int, world_size: int,
                   seed: int = 1234):
     """Endless (global step, this rank's tokens) pairs: each global batch is drawn from one seeded
-    generator and split evenly across ranks."""
+    generator and split evenly across ranks. Sequence i is (start_i + stride_i * t) mod vocab, with
+    stride_i in 1..7, so a model can learn to continue it."""
     if global_batch % world_size:
         raise ValueError(f"global_batch={global_batch} must be divisible by world_size={world_size}")
     generator = torch.Generator().manual_seed(seed)
     local = global_batch // world_size
     step = 0
     while True:
-        tokens = torch.randint(0, vocab_size, (global_batch, seq_len), generator=generator)
+        start = torch.randint(0, vocab_size, (global_batch, 1), generator=generator)
+        stride = torch.randint(1, 8, (global_batch, 1), generator=generator)
+        tokens = (start + stride * torch.arange(seq_len)) % vocab_size
         yield step, tokens[rank * local:(rank + 1) * local]
         step += 1

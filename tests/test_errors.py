@@ -1,0 +1,71 @@
+"""Bad input fails early with a message that names what is wrong."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero_ref
+from zero_ref.launch import spawn
+
+BAD_FIELDS = [
+    ("stage", 4), ("stage", "2"), ("stage", True), ("dtype", "fp8"), ("dtype", torch.bfloat16),
+    ("lr", -1.0), ("lr", float("nan")), ("betas", (0.9,)), ("betas", (0.9, 1.0)), ("eps", 0.0),
+    ("weight_decay", -0.1), ("grad_clip", 0.0), ("grad_clip", float("inf")), ("grad_accum_steps", 0),
+    ("grad_accum_steps", 1.5), ("bucket_numel", 0), ("overlap", 1), ("prefetch", -1),
+    ("kernels", "cuda"), ("broadcast_buffers", "yes"), ("initial_loss_scale", 0.0),
+    ("loss_scale_growth_interval", 0), ("min_loss_scale", 2.0**20),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_FIELDS)
+def test_invalid_config_field_names_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"ZeroConfig\.{field} = .* expected"):
+        zero_ref.ZeroConfig(**{field: value})
+
+
+def test_valid_config_and_replace():
+    cfg = zero_ref.ZeroConfig(stage=2, dtype="bf16", lr=1e-3, weight_decay=0.0, grad_clip=1.0, bucket_numel=2**22)
+    assert cfg.torch_dtype == torch.bfloat16 and cfg.replace(stage=3).stage == 3
+    with pytest.raises(ValueError, match="stage"):
+        cfg.replace(stage=7)
+
+
+def test_uninitialised_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        zero_ref.initialize(nn.Linear(2, 2), zero_ref.ZeroConfig())
+
+
+def test_wrong_argument_types():
+    with pytest.raises(TypeError, match="ZeroConfig"):
+        zero_ref.initialize(nn.Linear(2, 2), {"stage": 1})
+
+
+def _mismatched(rank, world_size):
+    width = 5 if rank == 1 else 4
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4 if rank != 1 else width, 2))
+    if rank == 1:
+        model[1] = nn.Linear(width, 2)
+    try:
+        zero_ref.initialize(model, zero_ref.ZeroConfig(stage=1, kernels="torch"))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _backward_needs_scalar(rank, world_size):
+    engine = zero_ref.initialize(nn.Linear(3, 2), zero_ref.ZeroConfig(kernels="torch"))
+    out = engine(torch.ones(4, 3))
+    try:
+        engine.backward(out)
+    except ValueError as err:
+        return str(err)
+
+
+def test_models_that_differ_across_ranks_and_bad_backward():
+    messages = spawn(_mismatched, 2)
+    for message in messages:   # every rank fails, none hangs
+        assert message is not None and "1.weight" in message and "rank 1" in message
+    (message,) = spawn(_backward_needs_scalar, 1)
+    assert "scalar" in message

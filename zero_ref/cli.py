@@ -1,0 +1,142 @@
+"""The `zero-ref` command.
+
+    zero-ref train --stage 2 --dtype bf16 --nproc 2 --steps 50
+
+trains a small GPT-2 (built from a config, nothing downloaded) on synthetic sequences with ZeRO,
+spawning `--nproc` gloo ranks on this machine, or using the ranks torchrun started
+(`torchrun --nproc_per_node 4 -m zero_ref.cli train ...`). Rank 0 shows a progress bar with the
+loss, then every rank's memory by category and the elements moved per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .config import DTYPES, KERNELS, STAGE_NAMES
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a tiny GPT-2 with ZeRO and report memory and communication")
+    p.add_argument("--stage", type=int, choices=sorted(STAGE_NAMES), default=2)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=1000)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--grad-accum-steps", type=int, default=1)
+    p.add_argument("--bucket-numel", type=int, default=2**22)
+    p.add_argument("--no-overlap", action="store_true", help="reduce buckets synchronously")
+    p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--kernels", choices=KERNELS, default="auto")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _config_from(args):
+    from .config import ZeroConfig
+
+    return ZeroConfig(stage=args.stage, dtype=args.dtype, lr=args.lr, grad_clip=args.grad_clip,
+                      grad_accum_steps=args.grad_accum_steps, bucket_numel=args.bucket_numel,
+                      overlap=not args.no_overlap, prefetch=args.prefetch, kernels=args.kernels)
+
+
+def train_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
+    """One rank of `zero-ref train`: returns this rank's losses, memory report and comm stats."""
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from .engine import initialize
+    from .models import lm_loss, tiny_gpt2, token_batches
+
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    model = tiny_gpt2(args.layers, args.hidden, args.heads, args.vocab, max(args.seq, 8), seed=args.seed).to(device)
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    engine = initialize(model, _config_from(args))
+    micro_batch = args.batch // args.grad_accum_steps
+    batches = token_batches(args.vocab, micro_batch, args.seq, rank, world_size, seed=args.seed + 1)
+    losses = []
+    bar = tqdm(range(args.steps), desc=f"stage {args.stage} {args.dtype} x{world_size}", disable=rank != 0,
+               file=sys.stdout)
+    for _ in bar:
+        step_loss = torch.zeros((), device=device)
+        for _ in range(args.grad_accum_steps):
+            _, tokens = next(batches)
+            tokens = tokens.to(device)
+            loss = lm_loss(engine(tokens).logits, tokens)
+            engine.backward(loss)
+            step_loss += loss.detach().float() / args.grad_accum_steps
+        engine.step()
+        dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
+        losses.append(step_loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", scale=engine.loss_scale)
+    return {"rank": rank, "psi": psi, "losses": losses, "memory": engine.memory_report(),
+            "comm": engine.comm_stats()["last_step"], "skipped": engine.skipped_steps}
+
+
+def _print_train_report(results: list[dict], args) -> None:
+    first = results[0]
+    psi = first["psi"]
+    print(f"\nstage {args.stage} ({STAGE_NAMES[args.stage]}), {args.dtype}, {len(results)} ranks, "
+          f"Ψ = {psi:,} parameters; loss {first['losses'][0]:.4f} -> {first['losses'][-1]:.4f}, "
+          f"skipped steps {first['skipped']}")
+    print(f"{'rank':>4} {'params':>12} {'grads':>12} {'optim':>12} {'buffers':>10} {'total':>12}  (bytes)")
+    for r in results:
+        m = r["memory"]
+        print(f"{r['rank']:>4} {m['params']:>12,} {m['grads']:>12,} {m['optimizer_states']:>12,} "
+              f"{m['buffers']:>10,} {m['total']:>12,}")
+    comm = first["comm"]
+    moved = ", ".join(f"{k} {v:,}" for k, v in comm.items() if k != "total" and v)
+    print(f"elements moved per rank in the last step: {comm['total']:,} = {comm['total'] / psi:.3f} Ψ ({moved})")
+
+
+def _run_train(args) -> None:
+    if args.batch % args.grad_accum_steps:
+        raise SystemExit(f"--batch {args.batch} must be divisible by --grad-accum-steps {args.grad_accum_steps}")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # under torchrun
+        import torch.distributed as dist
+
+        from .launch import init_from_env
+
+        init_from_env("nccl" if args.device == "cuda" else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        _check_batch(args, world)
+        result = train_rank(rank, world, args)
+        results = [None] * world
+        dist.all_gather_object(results, result)
+        if rank == 0:
+            _print_train_report(results, args)
+        dist.destroy_process_group()
+        return
+    from .launch import spawn
+
+    _check_batch(args, args.nproc)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    _print_train_report(spawn(train_rank, args.nproc, args, backend=backend, timeout=3600), args)
+
+
+def _check_batch(args, world: int) -> None:
+    if (args.batch // args.grad_accum_steps) % world:
+        raise SystemExit(f"the micro-batch ({args.batch} / {args.grad_accum_steps}) must be divisible by "
+                         f"the number of ranks ({world})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="zero-ref", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        _run_train(args)
+
+
+if __name__ == "__main__":
+    main()
