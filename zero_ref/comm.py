@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -52,18 +53,55 @@ class CommLedger:
         return {"last_step": table(self.last_step), "cumulative": table(self.cumulative)}
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or did not finish in time: another rank has probably died, raised, or
+    taken a different path through the program."""
+
+
+class Pending:
+    """A collective in flight. `wait()` blocks at most `timeout_s` seconds (None: no bound of our
+    own, the process group's timeout and watchdog apply), then raises CollectiveError."""
+
+    def __init__(self, work, what: str, rank: int, timeout_s: float | None):
+        self.work, self.what, self.rank, self.timeout_s = work, what, rank, timeout_s
+
+    def wait(self) -> None:
+        try:
+            if self.timeout_s is None:
+                self.work.wait()
+            else:
+                self.work.wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as err:
+            bound = f" within {self.timeout_s:g} s" if self.timeout_s is not None else ""
+            raise CollectiveError(
+                f"rank {self.rank}: {self.what} did not complete{bound}: another rank has probably died, "
+                f"raised, or diverged ({str(err).splitlines()[0][:300]})") from err
+
+
 class Comm:
     """Collectives on one process group, each counted in the ledger.
 
-    `async_op=True` returns the torch Work handle (call `.wait()`), otherwise None. Reductions
-    average over the group (ReduceOp.AVG), as DDP averages gradients.
+    Every collective is issued asynchronously and waited on with a bound (`timeout_s`), so a dead
+    or stuck peer turns into a CollectiveError instead of a silent hang. With `async_op=True` the
+    caller gets the `Pending` handle to wait on later; otherwise the call waits before returning.
+    On NCCL the bound is left to the process group's own timeout and watchdog (a timed CPU wait
+    would stall the GPU stream's overlap). Reductions average over the group (ReduceOp.AVG), as
+    DDP averages gradients.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger):
+    def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger, timeout_s: float | None = 300.0):
         self.group = group
         self.ledger = ledger
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.timeout_s = None if dist.get_backend(group) == "nccl" else timeout_s
+
+    def _issue(self, work, what: str, async_op: bool) -> Pending | None:
+        pending = Pending(work, what, self.rank, self.timeout_s)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
 
     def global_rank(self, group_rank: int) -> int:
         """The rank in the default group of this group's rank `group_rank` (for src arguments)."""
@@ -71,32 +109,33 @@ class Comm:
 
     def all_reduce_avg(self, tensor: torch.Tensor, async_op: bool = False, in_step: bool = True):
         self.ledger.record("all_reduce", 2 * tensor.numel(), in_step)
-        return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        return self._issue(work, f"all_reduce of {tensor.numel()} elements", async_op)
 
     def all_reduce_sum(self, tensor: torch.Tensor, in_step: bool = True) -> None:
         self.ledger.record("all_reduce", 2 * tensor.numel(), in_step)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
-
-    def all_reduce_max(self, tensor: torch.Tensor, in_step: bool = True) -> None:
-        self.ledger.record("all_reduce", 2 * tensor.numel(), in_step)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._issue(work, f"all_reduce of {tensor.numel()} elements", async_op=False)
 
     def reduce_scatter_avg(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False):
         """Average `full` (identical shape on every rank) over the group; rank r receives chunk r of
         the result in `output`. `output` may be rank r's own chunk of `full` (in place)."""
         self.ledger.record("reduce_scatter", full.numel())
-        return _reduce_scatter(output, full, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
+        work = _reduce_scatter(output, full, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        return self._issue(work, f"reduce_scatter of {full.numel()} elements", async_op)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
                    in_step: bool = True):
         """Concatenate every rank's `shard` into `full`; `shard` may be this rank's chunk of `full`."""
         self.ledger.record("all_gather", full.numel(), in_step)
-        return _all_gather(full, shard, group=self.group, async_op=async_op)
+        work = _all_gather(full, shard, group=self.group, async_op=True)
+        return self._issue(work, f"all_gather of {full.numel()} elements", async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0, in_step: bool = True) -> None:
         """Broadcast from group rank `src_rank`."""
         self.ledger.record("broadcast", tensor.numel(), in_step)
-        dist.broadcast(tensor, src=self.global_rank(src_rank), group=self.group)
+        work = dist.broadcast(tensor, src=self.global_rank(src_rank), group=self.group, async_op=True)
+        self._issue(work, f"broadcast of {tensor.numel()} elements", async_op=False)
 
     def all_gather_object(self, obj) -> list:
         """Python objects from every rank (set-up checks only; not counted as training traffic)."""

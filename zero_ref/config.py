@@ -15,6 +15,7 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STAGES = (0, 1, 2, 3)
 KERNELS = ("auto", "triton", "torch")
+NONFINITE = ("error", "skip")
 
 #: What each stage shards, in the paper's words (Rajbhandari et al., SC20, Sec 5).
 STAGE_NAMES = {0: "baseline DP", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
@@ -41,6 +42,11 @@ class ZeroConfig:
         kernels: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch" for the optimizer step.
         broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before each
             forward, as DDP does, so that non-parameter state stays consistent across ranks.
+        nonfinite: what a non-finite gradient norm does in fp32/bf16 runs: "error" raises
+            FloatingPointError on every rank, "skip" skips the step on every rank and counts it in
+            `engine.skipped_steps`. (fp16 always skips and lowers the loss scale.)
+        comm_timeout_s: the longest any collective may take before every waiting rank raises
+            CollectiveError (a dead or stuck peer); on NCCL the process group's timeout applies.
         initial_loss_scale, loss_scale_growth_interval, min_loss_scale: fp16 dynamic loss scaling:
             the scale halves on overflow (that step is skipped on every rank) and doubles after
             `loss_scale_growth_interval` clean steps.
@@ -59,6 +65,8 @@ class ZeroConfig:
     prefetch: int = 1
     kernels: str = "auto"
     broadcast_buffers: bool = True
+    nonfinite: str = "error"
+    comm_timeout_s: float = 300.0
     initial_loss_scale: float = 2.0**16
     loss_scale_growth_interval: int = 2000
     min_loss_scale: float = 1.0
@@ -86,6 +94,10 @@ class ZeroConfig:
         _check(self.kernels in KERNELS, "kernels", self.kernels, f"one of {', '.join(map(repr, KERNELS))}")
         _check(isinstance(self.broadcast_buffers, bool), "broadcast_buffers", self.broadcast_buffers,
                "True or False")
+        _check(self.nonfinite in NONFINITE, "nonfinite", self.nonfinite,
+               f"one of {', '.join(map(repr, NONFINITE))}")
+        _check(_finite_number(self.comm_timeout_s) and self.comm_timeout_s > 0, "comm_timeout_s",
+               self.comm_timeout_s, "a finite number of seconds > 0")
         _check(_finite_number(self.initial_loss_scale) and self.initial_loss_scale > 0,
                "initial_loss_scale", self.initial_loss_scale, "a finite number > 0")
         _check(_positive_int(self.loss_scale_growth_interval), "loss_scale_growth_interval",

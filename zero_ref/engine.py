@@ -57,14 +57,14 @@ class ZeroEngine:
     """Trains one model with ZeRO stage `config.stage` over a data-parallel process group.
 
     Attributes: `module` (the model), `config`, `global_step` (updates applied), `loss_scale`,
-    `skipped_steps` (fp16 overflows).
+    `skipped_steps` (non-finite gradients: fp16 overflows, or nonfinite="skip").
     """
 
     def __init__(self, model: nn.Module, config: ZeroConfig, process_group: dist.ProcessGroup | None):
         self.module = model
         self.config = config
         self.ledger = CommLedger()
-        self.comm = Comm(process_group, self.ledger)
+        self.comm = Comm(process_group, self.ledger, config.comm_timeout_s)
         self.dtype = config.torch_dtype
         params = list(model.parameters())
         devices = {p.device for p in params} | {b.device for b in model.buffers()}
@@ -88,6 +88,7 @@ class ZeroEngine:
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.micro_step = 0
         self.global_step = 0
+        self._skipped_steps = 0
 
     # --- the training step -----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -132,19 +133,23 @@ class ZeroEngine:
             return False
         grads = self.stage.grad_segments()
         optimizer = self.stage.optimizer
+        # The global gradient norm: one pass over this rank's gradients and, when they are sharded,
+        # one scalar all-reduce. It also tells every rank alike whether any gradient is non-finite.
+        sum_sq = optimizer.local_sum_of_squares(grads)
+        if self.stage.grads_sharded and self.comm.world_size > 1:
+            self.comm.all_reduce_sum(sum_sq)
+        norm = math.sqrt(sum_sq.item()) / self.scaler.scale
+        if not math.isfinite(norm):
+            if not self.scaler.enabled and self.config.nonfinite == "error":
+                self.stage.zero_grads()
+                raise FloatingPointError(
+                    f"non-finite gradient norm at step {self.global_step + 1} (ZeroConfig.nonfinite='error'; "
+                    "set nonfinite='skip' to skip such steps)")
+            self._finish_step(updated=False)
+            return False
         grad_scale = 1.0 / self.scaler.scale
-        if self.config.grad_clip is not None or self.scaler.enabled:
-            sum_sq = optimizer.local_sum_of_squares(grads)
-            if self.stage.grads_sharded and self.comm.world_size > 1:
-                self.comm.all_reduce_sum(sum_sq)
-            norm = math.sqrt(sum_sq.item()) / self.scaler.scale
-            if not math.isfinite(norm):
-                if not self.scaler.enabled:
-                    raise FloatingPointError(f"non-finite gradient norm at step {self.global_step + 1}")
-                self._finish_step(updated=False)
-                return False
-            if self.config.grad_clip is not None:
-                grad_scale *= min(1.0, self.config.grad_clip / (norm + 1e-6))
+        if self.config.grad_clip is not None:
+            grad_scale *= min(1.0, self.config.grad_clip / (norm + 1e-6))
         optimizer.step(grads, self.stage.low_precision_segments(), grad_scale)
         self.stage.after_update()
         self._finish_step(updated=True)
@@ -155,6 +160,7 @@ class ZeroEngine:
         self.scaler.update(found_overflow=not updated)
         self.ledger.close_step()
         self.global_step += int(updated)
+        self._skipped_steps += int(not updated)
 
     # --- inspection ------------------------------------------------------------------------------
     @property
@@ -163,7 +169,8 @@ class ZeroEngine:
 
     @property
     def skipped_steps(self) -> int:
-        return self.scaler.skipped_steps
+        """Steps skipped because a gradient was non-finite (fp16 overflow, or nonfinite='skip')."""
+        return self._skipped_steps
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{name: fp32 tensor of full shape} for every parameter (a tied weight under each of its

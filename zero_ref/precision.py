@@ -49,7 +49,6 @@ class LossScaler:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     clean_steps: int = 0
-    skipped_steps: int = 0
 
     def __post_init__(self) -> None:
         if not self.enabled:
@@ -62,16 +61,14 @@ class LossScaler:
         if found_overflow:
             self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self.clean_steps = 0
-            self.skipped_steps += 1
             return
         self.clean_steps += 1
         if self.clean_steps % self.growth_interval == 0:
             self.scale *= self.growth_factor
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
-        self.skipped_steps = int(state["skipped_steps"])
