@@ -125,3 +125,42 @@ def _fp16_overflow_run(rank: int, world_size: int, stage: int, batches) -> dict:
             states.append(engine.full_state_dict())
     return {"scales": scales + [engine.loss_scale], "updated": updated, "skipped": engine.skipped_steps,
             "global_step": engine.global_step, "states": states}
+
+
+def zero_phases(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
+    """Runs in each rank: for each job {config, batches, load?, save?, continue_batches?}: build an
+    engine, optionally load a checkpoint, train on `batches`, optionally save and train on
+    `continue_batches`; return losses and full_state_dicts along the way."""
+    import zero_ref
+
+    results = []
+    for job in jobs:
+        engine = zero_ref.initialize(AwkwardNet(), zero_ref.ZeroConfig(**job["config"]))
+        out = {}
+        if job.get("load"):
+            engine.load_checkpoint(job["load"])
+            out["loaded_state"] = engine.full_state_dict()
+            out["loaded_step"] = engine.global_step
+        out["losses"] = _train_steps(engine, job.get("batches", []), rank, world_size)
+        if job.get("save"):
+            engine.save_checkpoint(job["save"])
+            out["saved_state"] = engine.full_state_dict()
+        out["more_losses"] = _train_steps(engine, job.get("continue_batches", []), rank, world_size)
+        out["state"] = engine.full_state_dict()
+        results.append(out)
+    return results
+
+
+def _train_steps(engine, batches, rank, world_size) -> list[float]:
+    import torch.distributed as dist
+
+    losses = []
+    for (tokens,) in batches:
+        local = tokens.chunk(world_size)[rank]
+        loss = loss_fn(engine(local), local)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        losses.append(total.item())
+    return losses

@@ -1,6 +1,7 @@
 """The `zero-ref` command.
 
     zero-ref train --stage 2 --dtype bf16 --nproc 2 --steps 50
+    zero-ref consolidate CHECKPOINT OUT
 
 trains a small GPT-2 (built from a config, nothing downloaded) on synthetic sequences with ZeRO,
 spawning `--nproc` gloo ranks on this machine, or using the ranks torchrun started
@@ -129,13 +130,32 @@ def _check_batch(args, world: int) -> None:
                          f"the number of ranks ({world})")
 
 
+def _consolidate_parser(sub) -> None:
+    p = sub.add_parser("consolidate", help="glue a sharded checkpoint into one fp32 state dict (offline, CPU)")
+    p.add_argument("checkpoint", help="a checkpoint root (with `latest`) or one checkpoint folder")
+    p.add_argument("out", help="output folder: model.safetensors, and hf/ for a Hugging Face model")
+
+
+def _run_consolidate(args) -> None:
+    from .checkpoint import CheckpointError, consolidate
+
+    try:
+        state = consolidate(args.checkpoint, args.out)
+    except CheckpointError as err:
+        raise SystemExit(f"zero-ref consolidate: {err}")
+    print(f"wrote {len(state)} tensors ({sum(t.numel() for t in state.values()):,} values) to {args.out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="zero-ref", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _consolidate_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         _run_train(args)
+    elif args.command == "consolidate":
+        _run_consolidate(args)
 
 
 if __name__ == "__main__":

@@ -81,20 +81,26 @@ class Pending:
 class Comm:
     """Collectives on one process group, each counted in the ledger.
 
-    Every collective is issued asynchronously and waited on with a bound (`timeout_s`), so a dead
-    or stuck peer turns into a CollectiveError instead of a silent hang. With `async_op=True` the
-    caller gets the `Pending` handle to wait on later; otherwise the call waits before returning.
-    On NCCL the bound is left to the process group's own timeout and watchdog (a timed CPU wait
-    would stall the GPU stream's overlap). Reductions average over the group (ReduceOp.AVG), as
-    DDP averages gradients.
+    No collective may hang for ever: on gloo, the engine talks on its own process group over the
+    same ranks, created with `timeout_s`, so that gloo itself abandons any collective (synchronous
+    or not) that a dead or stuck peer never joins; and every collective is issued asynchronously
+    and waited on through `Pending`, which turns the failure into a CollectiveError naming the
+    collective. On NCCL the given group is used as it is and its own timeout and watchdog apply.
+    With `async_op=True` the caller gets the `Pending` handle to wait on later; otherwise the call
+    waits before returning. Reductions average over the group (ReduceOp.AVG), as DDP averages
+    gradients.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger, timeout_s: float | None = 300.0):
-        self.group = group
         self.ledger = ledger
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout_s = None if dist.get_backend(group) == "nccl" else timeout_s
+        if self.timeout_s is not None and dist.get_backend(group) == "gloo":   # not NCCL, not fake
+            ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+            group = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s), backend="gloo",
+                                   use_local_synchronization=True)
+        self.group = group
 
     def _issue(self, work, what: str, async_op: bool) -> Pending | None:
         pending = Pending(work, what, self.rank, self.timeout_s)

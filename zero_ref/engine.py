@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from . import checkpoint
 from .comm import Comm, CommLedger
 from .config import ZeroConfig
 from .precision import LossScaler
@@ -161,6 +162,20 @@ class ZeroEngine:
         self.ledger.close_step()
         self.global_step += int(updated)
         self._skipped_steps += int(not updated)
+
+    # --- checkpoints ---------------------------------------------------------------------------------
+    def save_checkpoint(self, path, keep: int = 2):
+        """Write a sharded checkpoint under the folder `path` (every rank calls it; see checkpoint.py).
+        Returns the new checkpoint's folder; `path/latest` names it once it is complete."""
+        return checkpoint.save_checkpoint(self, path, keep)
+
+    def load_checkpoint(self, path) -> None:
+        """Load a checkpoint written at any world size and stage (every rank calls it)."""
+        manifest = checkpoint.load_checkpoint(self, path)
+        self.global_step = manifest["global_step"]
+        self._skipped_steps = manifest["skipped_steps"]
+        self.scaler.load_state_dict(manifest["scaler"])
+        self.micro_step = 0
 
     # --- inspection ------------------------------------------------------------------------------
     @property

@@ -32,6 +32,7 @@ class Stage0(Stage):
     """Plain data parallelism with bucketed, overlapped all-reduce."""
 
     grads_sharded = False  # every rank holds the same full averaged gradients
+    replicated = True
 
     def __init__(self, trainable: list[nn.Parameter], config: ZeroConfig, comm: Comm):
         super().__init__(trainable, config, comm)
@@ -85,6 +86,9 @@ class Stage0(Stage):
 
     def full_master(self, g: int) -> torch.Tensor:
         return self.layout.full_slice(self.optimizer.masters[0], g).float().clone()
+
+    def segment_of(self, g: int) -> tuple[int, int, int, int]:
+        return 0, self.layout.full_offsets[g], 0, self.groups[g].padded_numel
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [self.flat_params], "grads": [self.flat_grads],

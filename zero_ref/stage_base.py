@@ -30,6 +30,7 @@ class Stage:
     cross-rank sum?) and build `self.groups` and `self.optimizer`."""
 
     grads_sharded = True
+    replicated = False   # True when every rank holds all optimizer state (stage 0)
 
     def __init__(self, trainable: list[nn.Parameter], config: ZeroConfig, comm: Comm):
         self.trainable = trainable
@@ -76,6 +77,30 @@ class Stage:
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The live tensors this stage holds, by category: params, grads, optimizer_states."""
         raise NotImplementedError
+
+    def segment_of(self, g: int) -> tuple[int, int, int, int]:
+        """Where this rank's optimizer state for group g lives: (segment index into the master and
+        moment lists, offset in that segment, and the [lo, hi) range of the group's flat buffer that
+        the segment holds from that offset on). Sharded stages: segment g, their own shard."""
+        lo, hi = self.groups[g].shard_range(self.rank)
+        return g, 0, lo, hi
+
+    def owned_pieces(self):
+        """(param, param_start, param_end, segment, segment_start) for every piece of a parameter
+        whose optimizer state this rank holds: the map checkpoints are written and read through."""
+        for g, group in enumerate(self.groups):
+            segment, base, lo, hi = self.segment_of(g)
+            for param, start, end in group.param_ranges():
+                a, b = max(start, lo), min(end, hi)
+                if a < b:
+                    yield param, a - start, b - start, segment, base + a - lo
+
+    def sync_params_from_master(self) -> None:
+        """Write the rounded fp32 masters into the parameters and regather (after loading state)."""
+        for master, out in zip(self.optimizer.masters, self.low_precision_segments()):
+            if out is not None:
+                out.copy_(master)
+        self.after_update()
 
     # --- shared helpers --------------------------------------------------------------------------
     def _gather_master(self, g: int, master_segment: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,150 @@
+"""Sharded checkpoints: exact resume, resharding across world sizes and stages, crash safety,
+consolidation (with a Hugging Face round trip), and clear errors for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from awkward import global_batches, zero_phases
+from zero_ref.checkpoint import CheckpointError, consolidate, read_manifest, resolve
+from zero_ref.launch import spawn
+
+BATCH, LR = 12, 1e-2
+HERE = Path(__file__).resolve().parent
+
+
+def _cfg(stage, dtype="fp32", **kw):
+    return dict(stage=stage, dtype=dtype, lr=LR, bucket_numel=200, kernels="torch", **kw)
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_is_bit_exact_for_every_stage(tmp_path):
+    batches = global_batches(10, 1, BATCH)
+    jobs, resume = [], []
+    for dtype in ("fp32", "bf16"):
+        for stage in range(4):
+            folder = str(tmp_path / f"{dtype}-{stage}")
+            jobs += [dict(config=_cfg(stage, dtype), batches=batches),
+                     dict(config=_cfg(stage, dtype), batches=batches[:5], save=folder)]
+            resume.append(dict(config=_cfg(stage, dtype), load=folder, batches=batches[5:]))
+    first = spawn(zero_phases, 2, jobs, timeout=300)
+    second = spawn(zero_phases, 2, resume, timeout=300)   # new processes
+    for i in range(8):
+        straight, half, resumed = first[0][2 * i], first[0][2 * i + 1], second[0][i]
+        assert resumed["loaded_step"] == 5
+        assert _equal(resumed["loaded_state"], half["saved_state"])
+        assert resumed["losses"] == straight["losses"][5:], i   # bit-equal
+        assert _equal(resumed["state"], straight["state"]), i
+
+
+def test_reshard_across_world_sizes_and_stages(tmp_path):
+    batches = global_batches(8, 1, BATCH)
+    w4s3, w2s1 = str(tmp_path / "w4s3"), str(tmp_path / "w2s1")
+    first_half, second_half = batches[:5], batches[5:]
+    (w2,) = [spawn(zero_phases, 2, [dict(config=_cfg(1), batches=first_half, save=w2s1,
+                                          continue_batches=second_half)], timeout=300)[0]]
+    w4 = spawn(zero_phases, 4, [dict(config=_cfg(3), batches=first_half, save=w4s3, continue_batches=second_half),
+                                dict(config=_cfg(3), load=w2s1, batches=second_half)], timeout=300)[0]
+    w2_from_w4 = spawn(zero_phases, 2, [dict(config=_cfg(1), load=w4s3, batches=second_half)], timeout=300)[0]
+    w3_from_w4 = spawn(zero_phases, 3, [dict(config=_cfg(2), load=w4s3, batches=second_half)], timeout=300)[0]
+
+    straight_w4, w4_from_w2 = w4
+    for loaded, source in ((w2_from_w4[0], straight_w4), (w3_from_w4[0], straight_w4), (w4_from_w2, w2[0])):
+        assert _equal(loaded["loaded_state"], source["saved_state"])
+        assert loaded["losses"] == pytest.approx(source["more_losses"], abs=1e-5)
+        for key in source["state"]:
+            assert torch.allclose(loaded["state"][key], source["state"][key], atol=1e-5), key
+
+
+def _gpt2_save(rank, world_size, folder):
+    import zero_ref
+    from zero_ref.models import lm_loss, tiny_gpt2, token_batches
+
+    engine = zero_ref.initialize(tiny_gpt2(n_layer=1, n_embd=32, vocab_size=100),
+                                 zero_ref.ZeroConfig(stage=3, lr=1e-2, bucket_numel=5000, kernels="torch"))
+    batches = token_batches(100, 4, 16, rank, world_size)
+    for _ in range(3):
+        _, tokens = next(batches)
+        engine.backward(lm_loss(engine(tokens).logits, tokens))
+        engine.step()
+    engine.save_checkpoint(folder)
+    probe = torch.arange(16).remainder(100)[None]
+    with torch.no_grad():
+        logits = engine(probe).logits
+    return engine.full_state_dict(), logits
+
+
+def test_consolidate_and_hugging_face_round_trip(tmp_path):
+    (state, logits), _ = spawn(_gpt2_save, 2, str(tmp_path / "ckpt"), timeout=300)
+    result = subprocess.run([sys.executable, "-m", "zero_ref.cli", "consolidate", str(tmp_path / "ckpt"),
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert _equal(written, state)   # the tied lm_head.weight included, equal to wte
+    model = GPT2LMHeadModel.from_pretrained(str(tmp_path / "out" / "hf")).eval()
+    with torch.no_grad():
+        reloaded = model(torch.arange(16).remainder(100)[None]).logits
+    assert torch.allclose(reloaded, logits, atol=1e-5)
+
+
+KILLED_SAVE = r"""
+import sys, time, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+import zero_ref, zero_ref.checkpoint as ck
+from zero_ref.launch import init_from_env
+from awkward import AwkwardNet, global_batches, _train_steps
+init_from_env("gloo")
+engine = zero_ref.initialize(AwkwardNet(), zero_ref.ZeroConfig(stage=2, lr=1e-2, kernels="torch"))
+_train_steps(engine, global_batches(2, 1, 12), 0, 1)
+engine.save_checkpoint({root!r})
+_train_steps(engine, global_batches(2, 1, 12, seed=3), 0, 1)
+real_save = ck.save_file
+def slow_save(tensors, path, metadata=None):
+    with open(path, "wb") as f:
+        f.write(b"partial")
+        f.flush()
+    print("WRITING", flush=True)
+    time.sleep(120)
+ck.save_file = slow_save
+engine.save_checkpoint({root!r})
+"""
+
+
+def _load_one(rank, world_size, root):
+    import zero_ref
+    from awkward import AwkwardNet
+
+    engine = zero_ref.initialize(AwkwardNet(), zero_ref.ZeroConfig(stage=1, lr=1e-2, kernels="torch"))
+    engine.load_checkpoint(root)
+    return engine.global_step, engine.full_state_dict()
+
+
+def test_save_killed_part_way_leaves_previous_checkpoint(tmp_path):
+    root = tmp_path / "ckpt"
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
+    env.pop("MASTER_PORT", None)
+    child = subprocess.Popen([sys.executable, "-c", KILLED_SAVE.format(tests=str(HERE), root=str(root))],
+                             stdout=subprocess.PIPE, text=True, env=env)
+    assert child.stdout.readline().strip() == "WRITING"
+    first_tag = (root / "latest").read_text()
+    child.kill()
+    child.wait(timeout=30)
+    partial = [p for p in root.rglob(".*.tmp")]
+    assert partial, "the save was not killed part-way"
+    assert (root / "latest").read_text() == first_tag
+    (step, state), = spawn(_load_one, 1, str(root))
+    assert step == 2
+    manifest = read_manifest(resolve(root))
+    assert manifest["global_step"] == 2 and manifest["stage"] == 2

@@ -1,0 +1,185 @@
+"""Bounded failure: dead or stuck ranks, corrupted or mismatched checkpoints, fuzzed manifests,
+non-finite losses."""
+
+import json
+import multiprocessing
+import os
+import pickle
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import zero_ref
+from awkward import AwkwardNet, global_batches, loss_fn
+from zero_ref.checkpoint import CheckpointError, _seal
+from zero_ref.launch import free_port, spawn
+
+TIMEOUT_S = 4.0
+
+
+def _doomed_rank(rank, world_size, port, mode, out_dir):
+    """Rank 1 dies (or hangs) before backward of step 2; the others must fail within the bound."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    engine = zero_ref.initialize(AwkwardNet(), zero_ref.ZeroConfig(stage=2, lr=1e-2, kernels="torch",
+                                                                   comm_timeout_s=TIMEOUT_S))
+    for step, (tokens,) in enumerate(global_batches(5, 1, 12)):
+        local = tokens.chunk(world_size)[rank]
+        loss = loss_fn(engine(local), local)
+        if step == 2 and rank == 1:
+            if mode == "dies":
+                os._exit(3)
+            time.sleep(60)
+        start = time.monotonic()
+        try:
+            engine.backward(loss)
+            engine.step()
+        except Exception as err:   # noqa: BLE001 - the test inspects whatever was raised
+            result = (type(err).__name__, str(err), time.monotonic() - start)
+            Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+            os._exit(0)
+    Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(None))
+
+
+@pytest.mark.parametrize("mode", ["dies", "hangs"])
+def test_dead_or_stuck_rank_fails_the_others_within_the_timeout(tmp_path, mode):
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_doomed_rank, args=(r, 3, port, mode, str(tmp_path))) for r in range(3)]
+    for p in procs:
+        p.start()
+    for r in (0, 2):
+        procs[r].join(timeout=120)
+    for p in procs:
+        p.kill()
+    for r in (0, 2):
+        name, message, elapsed = pickle.loads(Path(tmp_path, f"{r}.pkl").read_bytes())
+        assert name == "CollectiveError" and "did not complete" in message, message
+        assert elapsed < TIMEOUT_S + 5, elapsed
+        if mode == "hangs":
+            assert f"within {TIMEOUT_S:g} s" in message and elapsed >= TIMEOUT_S - 0.5
+
+
+def _nonfinite(rank, world_size):
+    out = {}
+    for mode in ("error", "skip"):
+        engine = zero_ref.initialize(AwkwardNet(), zero_ref.ZeroConfig(stage=1, dtype="bf16", kernels="torch",
+                                                                       nonfinite=mode))
+        (tokens,) = global_batches(1, 1, 12)[0]
+        engine.backward(loss_fn(engine(tokens), tokens) * float("nan"))
+        try:
+            out[mode] = ("updated", engine.step(), engine.skipped_steps)
+        except FloatingPointError as err:
+            out[mode] = ("error", str(err))
+    return out
+
+
+def test_nonfinite_loss_in_bf16_errors_or_skips():
+    (out,) = spawn(_nonfinite, 1)
+    assert out["error"][0] == "error" and "non-finite" in out["error"][1]
+    assert out["skip"] == ("updated", False, 1)
+
+
+# --- checkpoint input errors, in this process with a world-1 gloo group -------------------------
+@pytest.fixture(scope="module")
+def world1(tmp_path_factory):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    folder = tmp_path_factory.mktemp("ckpt")
+    engine = zero_ref.initialize(AwkwardNet(), zero_ref.ZeroConfig(stage=3, bucket_numel=100, kernels="torch"))
+    for (tokens,) in global_batches(2, 1, 12):
+        engine.backward(loss_fn(engine(tokens), tokens))
+        engine.step()
+    saved = engine.save_checkpoint(folder)
+    yield saved, engine.full_state_dict()
+    dist.destroy_process_group()
+
+
+def _fresh_engine():
+    return zero_ref.initialize(AwkwardNet(seed=5), zero_ref.ZeroConfig(stage=2, bucket_numel=100, kernels="torch"))
+
+
+def test_checkpoint_for_another_model_names_the_parameter(world1):
+    saved, _ = world1
+    other = zero_ref.initialize(nn.Sequential(nn.Linear(3, 4)), zero_ref.ZeroConfig(kernels="torch"))
+    with pytest.raises(CheckpointError, match=r"trainable parameter #0: checkpoint has \('embed.weight'"):
+        other.load_checkpoint(saved)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_shard_names_the_file_and_changes_nothing(world1, tmp_path, damage):
+    saved, _ = world1
+    copy = tmp_path / saved.name
+    copy.mkdir()
+    for f in saved.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    shard = copy / "rank00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    engine = _fresh_engine()
+    before = engine.full_state_dict()
+    with pytest.raises(CheckpointError, match="rank00000.safetensors"):
+        engine.load_checkpoint(copy)
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_missing_checkpoint(tmp_path, world1):
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        _fresh_engine().load_checkpoint(tmp_path)
+
+
+def _mutations():
+    leaf = st.one_of(st.integers(-3, 10**6), st.text(max_size=8), st.none(), st.booleans(),
+                     st.floats(allow_nan=True), st.lists(st.integers(-2, 50), max_size=3))
+    return st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), leaf, st.booleans())
+
+
+def _paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, prefix + (i,))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mutation=_mutations())
+def test_fuzzed_manifest_never_loads_silently_wrong(world1, tmp_path_factory, mutation):
+    saved, expected = world1
+    pick, _, value, reseal = mutation
+    manifest = json.loads((saved / "manifest.json").read_text())
+    paths = [p for p in _paths(manifest) if p and p[0] != "sha256"]
+    path = paths[pick % len(paths)]
+    node = manifest
+    for key in path[:-1]:
+        node = node[key]
+    if node[path[-1]] == value:
+        return
+    node[path[-1]] = value
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    manifest = _seal(body) if reseal else manifest   # resealed: the field checks must catch it
+    copy = tmp_path_factory.mktemp("fuzz")
+    for f in saved.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    engine = _fresh_engine()
+    try:
+        engine.load_checkpoint(copy)
+    except CheckpointError:
+        return
+    assert reseal, "an unsealed edit was accepted"
+    state = engine.full_state_dict()   # accepted: then the weights must be exactly the saved ones
+    assert all(torch.equal(state[k], expected[k]) for k in expected), path

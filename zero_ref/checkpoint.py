@@ -1,0 +1,394 @@
+"""Sharded checkpoints: every rank writes its own shard, one manifest says how the pieces fit.
+
+A checkpoint root directory holds:
+
+    latest                           the tag of the newest complete checkpoint (replaced atomically)
+    <tag>/manifest.json              format, world size, stage, dtype, parameters, which rank holds
+                                     which piece of which parameter, files with sizes and sha256
+    <tag>/rank00000.safetensors      that rank's pieces of the fp32 master and both Adam moments,
+                                     its RNG state, and (rank 0) frozen parameters and buffers
+
+State is stored per parameter piece (`master/<name>/<start>` holds elements [start, end) of the
+flattened parameter), not per flat group, so a checkpoint can be read back at any world size and
+any stage: each rank reads exactly the element ranges it now owns (resharding), and
+`consolidate` glues the pieces into full tensors with no process group. The low-precision
+parameters are not stored: they are the rounded masters, restored bit-exactly by rounding again.
+
+Crash safety: shard files and the manifest are written under temporary names, fsynced and renamed;
+`latest` is replaced only after every rank's file and the manifest are complete. A save killed at
+any point leaves `latest` on the previous checkpoint. A load verifies the manifest (sealed by its
+own sha256, then checked field by field) and the size and sha256 of every file it reads before it
+changes anything in the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import DTYPES
+
+FORMAT_VERSION = 1
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+_FILE_RE = re.compile(r"^rank\d{5}\.safetensors$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read back as it should (the message says why)."""
+
+
+# --- saving --------------------------------------------------------------------------------------
+def save_checkpoint(engine, root: str | os.PathLike, keep: int = 2) -> Path:
+    """Write this engine's state under `root` (collective: every rank calls it). Returns the new
+    checkpoint's folder. Older complete checkpoints beyond the newest `keep` are removed."""
+    if not engine.at_boundary:
+        raise CheckpointError("save_checkpoint must be called at an accumulation boundary (after engine.step())")
+    comm, stage, optimizer = engine.comm, engine.stage, engine.stage.optimizer
+    root = Path(root)
+    tag = comm.all_gather_object(f"step{engine.global_step:08d}-{uuid.uuid4().hex[:8]}")[0]
+    folder = root / tag
+    folder.mkdir(parents=True, exist_ok=True)
+    names = _canonical_names(engine.module)
+
+    tensors, pieces = {}, []
+    if not (stage.replicated and comm.rank != 0):
+        for param, start, end, segment, offset in stage.owned_pieces():
+            name = names[id(param)]
+            for kind, segments in zip(STATE_KINDS, (optimizer.masters, optimizer.exp_avgs, optimizer.exp_avg_sqs)):
+                tensors[f"{kind}/{name}/{start}"] = segments[segment][offset:offset + end - start].clone()
+            pieces.append([name, start, end])
+    if comm.rank == 0:
+        for param in engine.frozen:
+            tensors[f"frozen/{names[id(param)]}"] = param.detach().float().clone()
+        for name, buffer in _persistent_buffers(engine.module):
+            tensors[f"buffer/{name}"] = buffer.detach().clone()
+    tensors["rng/cpu"] = torch.get_rng_state()
+    if stage.device.type == "cuda":
+        tensors["rng/cuda"] = torch.cuda.get_rng_state(stage.device)
+
+    path = folder / f"rank{comm.rank:05d}.safetensors"
+    _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"tag": tag, "rank": str(comm.rank)}))
+    file_info = {"rank": comm.rank, "file": path.name, "bytes": path.stat().st_size,
+                 "sha256": _sha256(path), "pieces": pieces}
+    files = comm.all_gather_object(file_info)
+    if comm.rank == 0:
+        manifest = _manifest(engine, names, files)
+        _atomic_write(folder / "manifest.json", lambda tmp: tmp.write_text(json.dumps(_seal(manifest), indent=1)))
+        _atomic_write(root / "latest", lambda tmp: tmp.write_text(tag))
+        _prune(root, keep, tag)
+    comm.all_gather_object(None)   # nobody returns before `latest` names the new checkpoint
+    return folder
+
+
+def _manifest(engine, names: dict[int, str], files: list[dict]) -> dict:
+    aliases: dict[str, list[str]] = {}
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
+        if name != names[id(param)]:
+            aliases.setdefault(names[id(param)], []).append(name)
+    trainable = [p for p in engine.module.parameters() if p.requires_grad]
+    hf = None
+    config = getattr(engine.module, "config", None)
+    if hasattr(config, "to_json_string") and hasattr(engine.module, "save_pretrained"):
+        hf = {"class": type(engine.module).__name__, "config": json.loads(config.to_json_string())}
+    return {
+        "format_version": FORMAT_VERSION,
+        "world_size": engine.comm.world_size, "stage": engine.config.stage, "dtype": engine.config.dtype,
+        "global_step": engine.global_step, "optimizer_step": engine.stage.optimizer.step_count,
+        "skipped_steps": engine.skipped_steps, "scaler": engine.scaler.state_dict(),
+        "config": {k: v for k, v in dataclasses.asdict(engine.config).items()},
+        "params": [{"name": names[id(p)], "aliases": aliases.get(names[id(p)], []),
+                    "shape": list(p.shape), "numel": p.numel()} for p in trainable],
+        "frozen": [{"name": names[id(p)], "shape": list(p.shape)} for p in engine.frozen],
+        "buffers": [{"name": n, "shape": list(b.shape)} for n, b in _persistent_buffers(engine.module)],
+        "state_keys": list(engine.module.state_dict(keep_vars=True).keys()),
+        "files": files, "hf": hf,
+    }
+
+
+def _prune(root: Path, keep: int, newest: str) -> None:
+    """Remove checkpoint folders other than the newest `keep` (incomplete ones from killed saves too)."""
+    tags = sorted((p.name for p in root.iterdir() if p.is_dir() and re.match(r"^step\d{8}-[0-9a-f]{8}$", p.name)),
+                  key=lambda t: (t == newest, (root / t / "manifest.json").exists(), (root / t).stat().st_mtime))
+    for tag in tags[:-max(keep, 1)]:
+        if tag != newest:
+            shutil.rmtree(root / tag, ignore_errors=True)
+
+
+# --- loading -------------------------------------------------------------------------------------
+def load_checkpoint(engine, path: str | os.PathLike) -> dict:
+    """Load a checkpoint's tensors (a root with `latest`, or one checkpoint folder) into this
+    engine's stage, at any world size and stage (collective: every rank calls it), and return the
+    manifest, whose counters the engine takes over. Nothing in the engine changes unless the whole
+    checkpoint verifies and reads."""
+    folder = resolve(path)
+    manifest = read_manifest(folder)
+    names = _canonical_names(engine.module)
+    _check_matches_model(manifest, engine, names)
+    comm, stage, optimizer = engine.comm, engine.stage, engine.stage.optimizer
+
+    where = _piece_index(manifest)
+    mine = list(stage.owned_pieces())
+    needed = {0} | ({comm.rank} if comm.rank < manifest["world_size"] else set())
+    for param, start, end, _, _ in mine:
+        needed.update(r for s, e, r in where[names[id(param)]] if s < end and e > start)
+    handles = {r: _open_verified(folder, manifest["files"][r]) for r in sorted(needed)}
+    try:
+        writes = []   # (destination view, source tensor): applied only once everything has been read
+        segments = dict(zip(STATE_KINDS, (optimizer.masters, optimizer.exp_avgs, optimizer.exp_avg_sqs)))
+        for param, start, end, segment, offset in mine:
+            name = names[id(param)]
+            for s, e, r in where[name]:
+                lo, hi = max(start, s), min(end, e)
+                if lo >= hi:
+                    continue
+                for kind in STATE_KINDS:
+                    source = handles[r].get_slice(f"{kind}/{name}/{s}")[lo - s:hi - s]
+                    destination = segments[kind][segment][offset + lo - start:offset + hi - start]
+                    writes.append((destination, source))
+        for param in engine.frozen:
+            writes.append((param.data, handles[0].get_tensor(f"frozen/{names[id(param)]}")))
+        for name, buffer in _persistent_buffers(engine.module):
+            writes.append((buffer.data, handles[0].get_tensor(f"buffer/{name}")))
+        rng = handles[comm.rank].get_tensor("rng/cpu") if comm.rank in handles and comm.rank < manifest["world_size"] else None
+    except Exception as err:   # a key or shape the verified manifest promised but the file lacks
+        raise CheckpointError(f"checkpoint {folder} is inconsistent with its manifest: {err}") from err
+
+    with torch.no_grad():
+        for destination, source in writes:
+            destination.copy_(source.to(destination.dtype))
+        stage.sync_params_from_master()
+        stage.zero_grads()
+    if rng is not None:
+        torch.set_rng_state(rng)
+    optimizer.step_count = manifest["optimizer_step"]
+    comm.all_gather_object(None)
+    return manifest
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint folder that `path` names: itself if it holds a manifest, else `latest`'s."""
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        return path
+    if (path / "latest").is_file():
+        tag = (path / "latest").read_text().strip()
+        if not re.match(r"^[\w.-]+$", tag) or not (path / tag / "manifest.json").is_file():
+            raise CheckpointError(f"{path / 'latest'} names {tag!r}, which is not a complete checkpoint")
+        return path / tag
+    raise CheckpointError(f"no checkpoint at {path}: it holds neither manifest.json nor latest")
+
+
+def read_manifest(folder: Path) -> dict:
+    """Parse, unseal and validate a checkpoint folder's manifest."""
+    path = Path(folder) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from err
+    if not isinstance(manifest, dict) or manifest.get("sha256") != _digest(manifest):
+        raise CheckpointError(f"{path} is corrupted: its content does not match its sha256 seal")
+    try:
+        validate_manifest(manifest)
+    except (TypeError, KeyError, AttributeError, IndexError) as err:   # a shape no field check foresaw
+        raise CheckpointError(f"{path} is malformed: {err!r}") from err
+    return manifest
+
+
+def validate_manifest(m: dict) -> None:
+    """Check every field of a manifest; raise CheckpointError naming the first bad one."""
+    def need(ok: bool, field: str) -> None:
+        if not ok:
+            raise CheckpointError(f"manifest field {field!r} is missing or invalid")
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    need(m.get("format_version") == FORMAT_VERSION, "format_version")
+    need(count(m.get("world_size")) and m["world_size"] >= 1, "world_size")
+    need(m.get("stage") in (0, 1, 2, 3) and not isinstance(m.get("stage"), bool), "stage")
+    need(isinstance(m.get("dtype"), str) and m["dtype"] in DTYPES, "dtype")
+    for key in ("global_step", "optimizer_step", "skipped_steps"):
+        need(count(m.get(key)), key)
+    scaler = m.get("scaler")
+    need(isinstance(scaler, dict) and isinstance(scaler.get("scale"), (int, float))
+         and math.isfinite(scaler["scale"]) and scaler["scale"] > 0 and count(scaler.get("clean_steps")), "scaler")
+    need(isinstance(m.get("params"), list), "params")
+    numels = {}
+    for p in m["params"]:
+        need(isinstance(p, dict) and isinstance(p.get("name"), str) and p["name"] not in numels
+             and isinstance(p.get("aliases"), list) and all(isinstance(a, str) for a in p["aliases"])
+             and isinstance(p.get("shape"), list) and all(count(d) for d in p["shape"])
+             and p.get("numel") == math.prod(p["shape"]), "params")
+        numels[p["name"]] = p["numel"]
+    for key in ("frozen", "buffers"):
+        need(isinstance(m.get(key), list) and all(
+            isinstance(x, dict) and isinstance(x.get("name"), str) and isinstance(x.get("shape"), list)
+            and all(count(d) for d in x["shape"]) for x in m[key]), key)
+    need(isinstance(m.get("state_keys"), list) and all(isinstance(k, str) for k in m["state_keys"]), "state_keys")
+    files = m.get("files")
+    need(isinstance(files, list) and len(files) == m["world_size"], "files")
+    covered = {name: [] for name in numels}
+    for rank, f in enumerate(files):
+        need(isinstance(f, dict) and f.get("rank") == rank and isinstance(f.get("file"), str)
+             and _FILE_RE.match(f["file"]) is not None and count(f.get("bytes"))
+             and isinstance(f.get("sha256"), str) and _HEX64.match(f["sha256"]) is not None
+             and isinstance(f.get("pieces"), list), f"files[{rank}]")
+        for piece in f["pieces"]:
+            need(isinstance(piece, list) and len(piece) == 3 and isinstance(piece[0], str)
+                 and piece[0] in numels and count(piece[1])
+                 and count(piece[2]) and piece[1] < piece[2] <= numels[piece[0]], f"files[{rank}].pieces")
+            covered[piece[0]].append((piece[1], piece[2]))
+    for name, ranges in covered.items():   # the pieces of every parameter tile it exactly
+        position = 0
+        for start, end in sorted(ranges):
+            need(start == position, f"pieces of {name}")
+            position = end
+        need(position == numels[name], f"pieces of {name}")
+
+
+def _check_matches_model(manifest: dict, engine, names: dict[int, str]) -> None:
+    trainable = [(names[id(p)], list(p.shape)) for p in engine.module.parameters() if p.requires_grad]
+    saved = [(p["name"], p["shape"]) for p in manifest["params"]]
+    for i in range(max(len(trainable), len(saved))):
+        ours = trainable[i] if i < len(trainable) else None
+        theirs = saved[i] if i < len(saved) else None
+        if ours != theirs:
+            raise CheckpointError(f"checkpoint does not match the model at trainable parameter #{i}: "
+                                  f"checkpoint has {theirs}, model has {ours}")
+    frozen = [(names[id(p)], list(p.shape)) for p in engine.frozen]
+    buffers = [(n, list(b.shape)) for n, b in _persistent_buffers(engine.module)]
+    for kind, ours, theirs in (("frozen parameter", frozen, manifest["frozen"]),
+                               ("buffer", buffers, manifest["buffers"])):
+        theirs = [(x["name"], x["shape"]) for x in theirs]
+        if ours != theirs:
+            first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            raise CheckpointError(f"checkpoint does not match the model at {kind} #{first}: checkpoint has "
+                                  f"{theirs[first] if first < len(theirs) else None}, model has "
+                                  f"{ours[first] if first < len(ours) else None}")
+
+
+# --- consolidation -------------------------------------------------------------------------------
+def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Offline, on CPU, with no process group: glue a checkpoint's pieces into a full fp32 state
+    dict, write it to `out/model.safetensors`, and for a Hugging Face model also a
+    `save_pretrained` folder `out/hf`. Returns the state dict."""
+    folder = resolve(path)
+    manifest = read_manifest(folder)
+    handles = {f["rank"]: _open_verified(folder, f) for f in manifest["files"]}
+    where = _piece_index(manifest)
+    values: dict[str, torch.Tensor] = {}
+    for p in manifest["params"]:
+        full = torch.empty(p["numel"], dtype=torch.float32)
+        for start, end, rank in where[p["name"]]:
+            full[start:end] = handles[rank].get_tensor(f"master/{p['name']}/{start}")
+        for name in [p["name"], *p["aliases"]]:
+            values[name] = full.view(p["shape"])
+    for p in manifest["frozen"]:
+        values[p["name"]] = handles[0].get_tensor(f"frozen/{p['name']}")
+    for b in manifest["buffers"]:
+        tensor = handles[0].get_tensor(f"buffer/{b['name']}")
+        values[b["name"]] = tensor.float() if tensor.is_floating_point() else tensor
+    state = {key: values[key] for key in manifest["state_keys"] if key in values}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / "model.safetensors",
+                  lambda tmp: save_file({k: v.clone().contiguous() for k, v in state.items()}, str(tmp)))
+    if manifest["hf"] is not None:
+        _save_pretrained(manifest["hf"], state, out / "hf")
+    return state
+
+
+def _save_pretrained(hf: dict, state: dict[str, torch.Tensor], folder: Path) -> None:
+    import transformers
+
+    model_class = getattr(transformers, hf["class"])
+    config_class = model_class.config_class
+    config = config_class.from_dict(hf["config"])
+    model = model_class(config)
+    model.load_state_dict(state, strict=False)
+    model.save_pretrained(folder)
+
+
+# --- helpers -------------------------------------------------------------------------------------
+def _canonical_names(model) -> dict[int, str]:
+    """The first name of every parameter (a tied weight is stored once, under its first name)."""
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    return names
+
+
+def _persistent_buffers(model):
+    keys = set(model.state_dict(keep_vars=True).keys())
+    return [(name, buffer) for name, buffer in model.named_buffers() if name in keys]
+
+
+def _piece_index(manifest: dict) -> dict[str, list[tuple[int, int, int]]]:
+    where: dict[str, list[tuple[int, int, int]]] = {p["name"]: [] for p in manifest["params"]}
+    for f in manifest["files"]:
+        for name, start, end in f["pieces"]:
+            where[name].append((start, end, f["rank"]))
+    return {name: sorted(pieces) for name, pieces in where.items()}
+
+
+def _open_verified(folder: Path, info: dict):
+    path = folder / info["file"]
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    if path.stat().st_size != info["bytes"]:
+        raise CheckpointError(f"checkpoint file {path} is truncated or altered: {path.stat().st_size} bytes, "
+                              f"the manifest says {info['bytes']}")
+    if _sha256(path) != info["sha256"]:
+        raise CheckpointError(f"checkpoint file {path} is corrupted: its sha256 does not match the manifest")
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as err:
+        raise CheckpointError(f"checkpoint file {path} cannot be opened: {err}") from err
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _digest(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _seal(manifest: dict) -> dict:
+    """The manifest with its own sha256 added (so any edit or corruption is detected on load)."""
+    return {**manifest, "sha256": _digest(manifest)}
+
+
+def _atomic_write(path: Path, write) -> None:
+    """write(tmp_path), fsync, then rename over `path`: readers see the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
