@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The one prepared check for a CUDA machine (one H200, torch 2.11, triton 3.6, no internet, no pip).
+# Run from anywhere:  bash experiments/gpu_check.sh
+# Time: the kernel part takes 1-3 minutes (capped at 5.5 by timeouts); the whole script under 8.
+#   1. the kernel tests with Triton COMPILED (TRITON_INTERPRET=0; the tests also run torch on CUDA)
+#   2. the kernel benchmark at 1M..256M elements against torch's AdamW and the copy bandwidth
+#   3. engine smoke runs (world size 1, NCCL), one per stage: added by the engine work below
+# Everything lands in results/gpu/; when $OUT is set, results/gpu is copied there too, even if a
+# step fails (the trap below), so a failed run still brings its logs back. A failing step does
+# not stop the later ones; the script exits 1 at the end, listing the failed steps.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p results/gpu
+
+copy_out() {
+    if [[ -n "${OUT:-}" ]]; then
+        mkdir -p "$OUT/results"
+        cp -r results/gpu "$OUT/results/"
+    fi
+}
+trap copy_out EXIT
+
+export TRITON_INTERPRET=0   # compiled kernels: the tests default to the interpreter otherwise
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+FAILED=()
+step() {
+    # Run one named step; record a failure and go on, so one run reports on every step.
+    local name=$1
+    shift
+    echo "== $name"
+    if ! "$@"; then
+        echo "!! step failed: $name"
+        FAILED+=("$name")
+    fi
+}
+
+gpu_info() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+        | tee results/gpu/gpu.txt
+    python3 -c "import torch as t, triton as tr; print('torch', t.__version__, 'triton', tr.__version__)" \
+        | tee -a results/gpu/gpu.txt
+}
+
+kernel_tests() {
+    timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 \
+        | tee results/gpu/test_kernels.log
+}
+
+kernel_bench() {
+    timeout 150 python3 experiments/bench_kernels.py --out results/gpu \
+        --sizes 1M,4M,16M,64M,256M --repeats 20 2>&1 | tee results/gpu/bench_kernels.log
+}
+
+step "GPU" gpu_info
+step "kernel tests (compiled Triton)" kernel_tests
+step "kernel benchmark" kernel_bench
+
+# --- engine smoke runs (added by the engine work) ---
+# The lead adds here one world-size-1 NCCL run per ZeRO stage, each writing results/gpu/*.csv
+# (use the step function above so that a failing stage does not hide the others).
+
+if (( ${#FAILED[@]} )); then
+    echo "== FAILED steps: ${FAILED[*]}"
+    exit 1
+fi
+echo "== all steps passed"
