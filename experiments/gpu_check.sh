@@ -56,9 +56,19 @@ step "GPU" gpu_info
 step "kernel tests (compiled Triton)" kernel_tests
 step "kernel benchmark" kernel_bench
 
-# --- engine smoke runs (added by the engine work) ---
-# The lead adds here one world-size-1 NCCL run per ZeRO stage, each writing results/gpu/*.csv
-# (use the step function above so that a failing stage does not hide the others).
+# --- engine smoke runs ---
+# One world-size-1 NCCL run per stage: a 4-layer GPT-2 (about 19M parameters) in bf16 with the
+# fused Triton kernels ("auto" picks them on CUDA); each appends rows to results/gpu/engine_smoke.csv
+# (loss, memory by category, peak device memory, elements moved, median step time, GPU name).
+engine_smoke() {
+    timeout 90 python3 -m zero_ref.cli train --stage "$1" --dtype bf16 --nproc 1 --device cuda \
+        --steps 20 --layers 4 --hidden 512 --heads 8 --vocab 8192 --seq 256 --batch 16 \
+        --kernels auto --csv results/gpu/engine_smoke.csv 2>&1 | tee -a results/gpu/engine_smoke.log
+}
+rm -f results/gpu/engine_smoke.csv results/gpu/engine_smoke.log
+for stage in 0 1 2 3; do
+    step "engine smoke, stage $stage (NCCL, world 1)" engine_smoke "$stage"
+done
 
 if (( ${#FAILED[@]} )); then
     echo "== FAILED steps: ${FAILED[*]}"

@@ -39,6 +39,7 @@ def _train_parser(sub) -> None:
     p.add_argument("--kernels", choices=KERNELS, default="auto")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--csv", help="append one row per rank (memory, comm, step time) to this CSV file")
 
 
 def _config_from(args):
@@ -51,6 +52,8 @@ def _config_from(args):
 
 def train_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     """One rank of `zero-ref train`: returns this rank's losses, memory report and comm stats."""
+    import time
+
     import torch
     import torch.distributed as dist
     from tqdm import tqdm
@@ -64,10 +67,11 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     engine = initialize(model, _config_from(args))
     micro_batch = args.batch // args.grad_accum_steps
     batches = token_batches(args.vocab, micro_batch, args.seq, rank, world_size, seed=args.seed + 1)
-    losses = []
+    losses, step_seconds = [], []
     bar = tqdm(range(args.steps), desc=f"stage {args.stage} {args.dtype} x{world_size}", disable=rank != 0,
                file=sys.stdout)
     for _ in bar:
+        start = time.perf_counter()
         step_loss = torch.zeros((), device=device)
         for _ in range(args.grad_accum_steps):
             _, tokens = next(batches)
@@ -77,10 +81,15 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
             step_loss += loss.detach().float() / args.grad_accum_steps
         engine.step()
         dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
-        losses.append(step_loss.item())
+        losses.append(step_loss.item())   # (a device sync, so the step time below is complete)
+        step_seconds.append(time.perf_counter() - start)
         bar.set_postfix(loss=f"{losses[-1]:.4f}", scale=engine.loss_scale)
+    timed = sorted(step_seconds[min(3, len(step_seconds) - 1):])   # after warm-up (compilation)
     return {"rank": rank, "psi": psi, "losses": losses, "memory": engine.memory_report(),
-            "comm": engine.comm_stats()["last_step"], "skipped": engine.skipped_steps}
+            "comm": engine.comm_stats()["last_step"], "skipped": engine.skipped_steps,
+            "median_step_s": timed[len(timed) // 2],
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
 
 
 def _print_train_report(results: list[dict], args) -> None:
@@ -97,6 +106,38 @@ def _print_train_report(results: list[dict], args) -> None:
     comm = first["comm"]
     moved = ", ".join(f"{k} {v:,}" for k, v in comm.items() if k != "total" and v)
     print(f"elements moved per rank in the last step: {comm['total']:,} = {comm['total'] / psi:.3f} Ψ ({moved})")
+    print(f"median step time (rank 0, after 3 warm-up steps): {first['median_step_s'] * 1e3:.1f} ms on {first['device']}")
+    if args.csv:
+        _append_csv(results, args)
+
+
+def _append_csv(results: list[dict], args) -> None:
+    """One row per rank: what ran, where, and what it measured."""
+    import csv
+    import datetime
+    import subprocess
+    from pathlib import Path
+
+    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    path = Path(args.csv)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = ["date", "git", "device", "stage", "dtype", "world_size", "rank", "psi", "steps", "first_loss",
+              "last_loss", "skipped", "median_step_s", "params", "grads", "optimizer_states", "buffers",
+              "total", "peak_device_bytes", "elements_moved", "elements_moved_over_psi", "command"]
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        if new:
+            writer.writeheader()
+        for r in results:
+            writer.writerow({
+                "date": datetime.datetime.now().isoformat(timespec="seconds"), "git": revision,
+                "device": r["device"], "stage": args.stage, "dtype": args.dtype, "world_size": len(results),
+                "rank": r["rank"], "psi": r["psi"], "steps": args.steps, "first_loss": r["losses"][0],
+                "last_loss": r["losses"][-1], "skipped": r["skipped"], "median_step_s": r["median_step_s"],
+                **r["memory"], "peak_device_bytes": r["peak_device_bytes"],
+                "elements_moved": r["comm"]["total"], "elements_moved_over_psi": r["comm"]["total"] / r["psi"],
+                "command": " ".join(sys.argv)})
 
 
 def _run_train(args) -> None:

@@ -26,14 +26,15 @@ class ShardedAdamW:
 
     Args:
         masters: fp32 master segments (views; they may alias fp32 parameters).
-        config: hyper-parameters and the kernel choice.
+        config: hyper-parameters.
+        kernels: the `triton_kernels.load(...)` backend that runs the update and the norm.
     """
 
-    def __init__(self, masters: list[torch.Tensor], config: ZeroConfig):
+    def __init__(self, masters: list[torch.Tensor], config: ZeroConfig, kernels: triton_kernels.Kernels):
         self.masters = masters
         self.config = config
         device = masters[0].device if masters else torch.device("cpu")
-        self.kernels = triton_kernels.load(config.kernels, device)
+        self.kernels = kernels
         total = sum(m.numel() for m in masters)
         self.exp_avg_flat = torch.zeros(total, dtype=torch.float32, device=device)
         self.exp_avg_sq_flat = torch.zeros(total, dtype=torch.float32, device=device)

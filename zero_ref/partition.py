@@ -105,11 +105,11 @@ class GroupLayout:
         return self.full_slice(flat, g)[lo:hi]
 
 
-def copy_params_into(group: FlatGroup, flat: torch.Tensor) -> None:
-    """Copy (and cast) the current values of the group's parameters into its flat buffer; zero the padding."""
+def copy_params_into(group: FlatGroup, flat: torch.Tensor, flatten_) -> None:
+    """Copy (and cast) the current values of the group's parameters into its flat buffer with one
+    `flatten_` call (triton_kernels: one kernel launch on CUDA); zero the padding."""
     with torch.no_grad():
-        for param, start, end in group.param_ranges():
-            flat[start:end].copy_(param.detach().reshape(-1))
+        flatten_([p.detach().contiguous() for p in group.params], flat, group.offsets)
         flat[group.numel:].zero_()
 
 
@@ -120,11 +120,11 @@ def bind_params_to(group: FlatGroup, flat: torch.Tensor) -> None:
         param.data = flat[start:end].view(param.shape)
 
 
-def flatten_params(layout: GroupLayout, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def flatten_params(layout: GroupLayout, dtype: torch.dtype, device: torch.device, flatten_) -> torch.Tensor:
     """One flat buffer in `dtype` holding every group's parameters (converted in place: each
     parameter becomes a view of its range, so no second full copy stays alive)."""
     flat = torch.empty(layout.full_numel, dtype=dtype, device=device)
     for g, group in enumerate(layout.groups):
-        copy_params_into(group, layout.full_slice(flat, g))
+        copy_params_into(group, layout.full_slice(flat, g), flatten_)
         bind_params_to(group, layout.full_slice(flat, g))
     return flat

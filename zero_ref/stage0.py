@@ -39,9 +39,9 @@ class Stage0(Stage):
         # Buckets are only for communication here: nothing is sharded, so no padding (world 1).
         self.groups = pack_into_buckets(trainable[::-1], config.bucket_numel, world_size=1)
         self.layout = GroupLayout(self.groups)
-        self.flat_params = flatten_params(self.layout, self.dtype, self.device)
+        self.flat_params = flatten_params(self.layout, self.dtype, self.device, self.kernels.flatten_)
         self.flat_grads = torch.zeros_like(self.flat_params)
-        self.optimizer = ShardedAdamW(make_fp32_master([self.flat_params]), config)
+        self.optimizer = ShardedAdamW(make_fp32_master([self.flat_params]), config, self.kernels)
 
         self.arrivals = GroupArrivals(self.groups, self._launch_all_reduce)
         self.hooks = register_grad_hooks(self.groups, self._on_grad)

@@ -38,11 +38,11 @@ class Stage1(Stage):
         super().__init__(trainable, config, comm)
         self.groups = pack_into_buckets(trainable[::-1], config.bucket_numel, self.world_size)
         self.layout = GroupLayout(self.groups)
-        self.flat_params = flatten_params(self.layout, self.dtype, self.device)
+        self.flat_params = flatten_params(self.layout, self.dtype, self.device, self.kernels.flatten_)
         self.flat_grads = torch.zeros_like(self.flat_params)
         self.param_shards = [self.layout.own_slice(self.flat_params, g, self.rank) for g in range(len(self.groups))]
         self.grad_shards = [self.layout.own_slice(self.flat_grads, g, self.rank) for g in range(len(self.groups))]
-        self.optimizer = ShardedAdamW(make_fp32_master(self.param_shards), config)
+        self.optimizer = ShardedAdamW(make_fp32_master(self.param_shards), config, self.kernels)
 
         self.arrivals = GroupArrivals(self.groups, self._launch_reduce_scatter)
         self.hooks = register_grad_hooks(self.groups, self._on_grad)

@@ -40,11 +40,11 @@ class Stage2(Stage):
         super().__init__(trainable, config, comm)
         self.groups = pack_into_buckets(trainable[::-1], config.bucket_numel, self.world_size)
         self.layout = GroupLayout(self.groups)
-        self.flat_params = flatten_params(self.layout, self.dtype, self.device)
+        self.flat_params = flatten_params(self.layout, self.dtype, self.device, self.kernels.flatten_)
         self.param_shards = [self.layout.own_slice(self.flat_params, g, self.rank) for g in range(len(self.groups))]
         self.flat_grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
         self.grad_shards = [self.layout.shard_slice(self.flat_grad_shard, g) for g in range(len(self.groups))]
-        self.optimizer = ShardedAdamW(make_fp32_master(self.param_shards), config)
+        self.optimizer = ShardedAdamW(make_fp32_master(self.param_shards), config, self.kernels)
 
         self.grad_buckets: dict[int, torch.Tensor] = {}   # group -> bucket buffer being filled
         self.in_flight: deque = deque()                   # (group, bucket buffer, work handle)

@@ -83,7 +83,7 @@ class Stage3(Stage):
         self.full_params: list[torch.Tensor] = []
         for g, group in enumerate(self.groups):
             full = torch.empty(group.padded_numel, dtype=self.dtype, device=self.device)
-            copy_params_into(group, full)
+            copy_params_into(group, full, self.kernels.flatten_)
             lo, hi = group.shard_range(self.rank)
             self.param_shards[g].copy_(full[lo:hi])
             bind_params_to(group, full)
@@ -91,7 +91,7 @@ class Stage3(Stage):
             self.full_params.append(full)
         self.flat_grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
         self.grad_shards = [self.layout.shard_slice(self.flat_grad_shard, g) for g in range(len(self.groups))]
-        self.optimizer = ShardedAdamW(make_fp32_master(self.param_shards), config)
+        self.optimizer = ShardedAdamW(make_fp32_master(self.param_shards), config, self.kernels)
 
         self.gathered = [False] * len(self.groups)
         self.pending_gather: dict[int, object] = {}     # group -> async all-gather in flight

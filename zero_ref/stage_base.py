@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import triton_kernels
+
 from .comm import Comm
 from .config import ZeroConfig
 from .optim import ShardedAdamW
@@ -40,6 +42,7 @@ class Stage:
         self.dtype = config.torch_dtype
         self.mixed_precision = self.dtype != torch.float32
         self.device = trainable[0].device if trainable else torch.device("cpu")
+        self.kernels = triton_kernels.load(config.kernels, self.device)
         self.groups: list[FlatGroup] = []
         self.optimizer: ShardedAdamW | None = None
 
