@@ -14,9 +14,11 @@ which the buffer simply holds zeros), again in order.
 
 from __future__ import annotations
 
+from collections import deque
 from functools import partial
 from typing import Callable, Sequence
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -86,3 +88,53 @@ def register_grad_hooks(groups: Sequence[FlatGroup], on_grad: Callable[[int, int
         for i, param in enumerate(group.params):
             handles.append(param.register_post_accumulate_grad_hook(partial(on_grad, group.index, i)))
     return handles
+
+
+class ShardedGradBuckets:
+    """Gradient buckets that live only while they fill and reduce (stages 2 and 3).
+
+    `add(g, i, grad)` copies a parameter's gradient into group g's bucket buffer, allocated zeroed
+    on first use. `reduce_scatter(g)` averages the bucket over the group in place and, once done,
+    adds chunk `rank` into `grad_shards[g]` and frees the buffer. With `overlap`, at most
+    `max_in_flight` reductions run while backward goes on; `drain()` finishes them all. So
+    gradient memory is the shard plus a constant number of buckets, whatever the model size.
+    """
+
+    def __init__(self, comm, groups, grad_shards: list, dtype, device, overlap: bool, max_in_flight: int = 2):
+        self.comm, self.groups, self.grad_shards = comm, groups, grad_shards
+        self.dtype, self.device = dtype, device
+        self.max_in_flight = max_in_flight if overlap else 0
+        self.overlap = overlap
+        self.filling: dict = {}      # group -> bucket buffer being filled
+        self.in_flight = deque()     # (group, bucket buffer, pending reduce-scatter)
+
+    def _bucket(self, g: int):
+        if g not in self.filling:
+            self.filling[g] = torch.zeros(self.groups[g].padded_numel, dtype=self.dtype, device=self.device)
+        return self.filling[g]
+
+    def add(self, g: int, i: int, grad) -> None:
+        start = self.groups[g].offsets[i]
+        self._bucket(g)[start:start + grad.numel()].add_(grad.reshape(-1))
+
+    def reduce_scatter(self, g: int) -> None:
+        """Launch group g's reduction (a group with no gradient this time reduces zeros)."""
+        bucket = self._bucket(g)
+        del self.filling[g]
+        lo, hi = self.groups[g].shard_range(self.comm.rank)
+        pending = self.comm.reduce_scatter_avg(bucket[lo:hi], bucket, async_op=self.overlap)
+        self.in_flight.append((g, bucket, pending))
+        self.drain(self.max_in_flight)
+
+    def drain(self, keep: int = 0) -> None:
+        """Finish reductions until at most `keep` are in flight, adding each result into its shard."""
+        while len(self.in_flight) > keep:
+            g, bucket, pending = self.in_flight.popleft()
+            if pending is not None:
+                pending.wait()
+            lo, hi = self.groups[g].shard_range(self.comm.rank)
+            self.grad_shards[g].add_(bucket[lo:hi])
+
+    def live(self) -> list:
+        """The bucket buffers alive now (for memory accounting)."""
+        return [*self.filling.values(), *(bucket for _, bucket, _ in self.in_flight)]

@@ -17,21 +17,16 @@ rank may keep the full gradients.
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 from torch import nn
 
 from .comm import Comm
 from .config import ZeroConfig
-from .grad_hooks import GroupArrivals, register_grad_hooks
+from .grad_hooks import GroupArrivals, ShardedGradBuckets, register_grad_hooks
 from .optim import ShardedAdamW
 from .partition import GroupLayout, flatten_params, pack_into_buckets
 from .precision import make_fp32_master
 from .stage_base import Stage
-
-MAX_BUCKETS_IN_FLIGHT = 2
-
 
 class Stage2(Stage):
     """Gradient and optimizer-state partitioning with full parameters."""
@@ -46,45 +41,22 @@ class Stage2(Stage):
         self.grad_shards = [self.layout.shard_slice(self.flat_grad_shard, g) for g in range(len(self.groups))]
         self.optimizer = ShardedAdamW(make_fp32_master(self.param_shards), config, self.kernels)
 
-        self.grad_buckets: dict[int, torch.Tensor] = {}   # group -> bucket buffer being filled
-        self.in_flight: deque = deque()                   # (group, bucket buffer, work handle)
-        self.arrivals = GroupArrivals(self.groups, self._launch_reduce_scatter)
+        self.buckets = ShardedGradBuckets(comm, self.groups, self.grad_shards, self.dtype, self.device,
+                                          config.overlap)
+        self.arrivals = GroupArrivals(self.groups, self.buckets.reduce_scatter)
         self.hooks = register_grad_hooks(self.groups, self._on_grad)
 
-    def _grad_bucket(self, g: int) -> torch.Tensor:
-        if g not in self.grad_buckets:
-            self.grad_buckets[g] = torch.zeros(self.groups[g].padded_numel, dtype=self.dtype, device=self.device)
-        return self.grad_buckets[g]
-
     def _on_grad(self, g: int, i: int, param: nn.Parameter) -> None:
-        start = self.groups[g].offsets[i]
-        self._grad_bucket(g)[start:start + param.numel()].add_(param.grad.reshape(-1))
+        self.buckets.add(g, i, param.grad)
         param.grad = None
         self.arrivals.arrive(g, i)
-
-    def _launch_reduce_scatter(self, g: int) -> None:
-        grad_bucket = self._grad_bucket(g)
-        del self.grad_buckets[g]
-        lo, hi = self.groups[g].shard_range(self.rank)
-        work = self.comm.reduce_scatter_avg(grad_bucket[lo:hi], grad_bucket, async_op=self.config.overlap)
-        self.in_flight.append((g, grad_bucket, work))
-        self._drain(MAX_BUCKETS_IN_FLIGHT if self.config.overlap else 0)
-
-    def _drain(self, keep: int) -> None:
-        """Finish reductions until at most `keep` are in flight: add each result into the shard."""
-        while len(self.in_flight) > keep:
-            g, grad_bucket, work = self.in_flight.popleft()
-            if work is not None:
-                work.wait()
-            lo, hi = self.groups[g].shard_range(self.rank)
-            self.grad_shards[g].add_(grad_bucket[lo:hi])
 
     def begin_backward(self, boundary: bool) -> None:
         self.arrivals.reset()
 
     def end_backward(self, boundary: bool) -> None:
         self.arrivals.flush()
-        self._drain(0)
+        self.buckets.drain()
 
     def grad_segments(self) -> list[torch.Tensor]:
         return self.grad_shards
@@ -102,6 +74,5 @@ class Stage2(Stage):
         return self._gather_master(g, self.optimizer.masters[g])
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        live_buckets = [*self.grad_buckets.values(), *(bucket for _, bucket, _ in self.in_flight)]
-        return {"params": [self.flat_params], "grads": [self.flat_grad_shard, *live_buckets],
+        return {"params": [self.flat_params], "grads": [self.flat_grad_shard, *self.buckets.live()],
                 "optimizer_states": self.optimizer.state_tensors()}

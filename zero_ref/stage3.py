@@ -22,22 +22,17 @@ the same on every rank, so the collectives pair up.
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .comm import Comm
 from .config import ZeroConfig
-from .grad_hooks import GroupArrivals, register_grad_hooks
+from .grad_hooks import GroupArrivals, ShardedGradBuckets, register_grad_hooks
 from .optim import ShardedAdamW
 from .partition import GroupLayout, bind_params_to, copy_params_into, make_group
 from .precision import make_fp32_master
 from .stage_base import Stage
-
-MAX_BUCKETS_IN_FLIGHT = 2
-
 
 def build_units(model: nn.Module, trainable: list[nn.Parameter], unit_numel: int
                 ) -> list[tuple[nn.Module, list[nn.Parameter]]]:
@@ -98,9 +93,9 @@ class Stage3(Stage):
         self.users = [0] * len(self.groups)             # modules inside their forward using the group
         self.forward_order: list[int] = []              # groups in order of first use, first forward
         self.order_known = False
-        self.grad_buckets: dict[int, torch.Tensor] = {}
-        self.in_flight: deque = deque()
-        self.arrivals = GroupArrivals(self.groups, self._launch_reduce_scatter)
+        self.buckets = ShardedGradBuckets(comm, self.groups, self.grad_shards, self.dtype, self.device,
+                                          config.overlap)
+        self.arrivals = GroupArrivals(self.groups, self.buckets.reduce_scatter)
         self.hooks = register_grad_hooks(self.groups, self._on_grad)
         self._register_module_hooks(model, units)
 
@@ -185,38 +180,18 @@ class Stage3(Stage):
                 self._prefetch_after(self.arrivals.order, g, skip_done=True)
 
     def _on_grad(self, g: int, i: int, param: nn.Parameter) -> None:
-        if g not in self.grad_buckets:
-            self.grad_buckets[g] = torch.zeros(self.groups[g].padded_numel, dtype=self.dtype, device=self.device)
-        start = self.groups[g].offsets[i]
-        self.grad_buckets[g][start:start + param.numel()].add_(param.grad.reshape(-1))
+        self.buckets.add(g, i, param.grad)
         param.grad = None
         self.arrivals.arrive(g, i)
         if self.arrivals.missing[g] == 0:
             self._free(g)   # every use of this unit in backward is done
-
-    def _launch_reduce_scatter(self, g: int) -> None:
-        grad_bucket = self.grad_buckets.pop(g, None)
-        if grad_bucket is None:   # no parameter of this unit got a gradient this time
-            grad_bucket = torch.zeros(self.groups[g].padded_numel, dtype=self.dtype, device=self.device)
-        lo, hi = self.groups[g].shard_range(self.rank)
-        work = self.comm.reduce_scatter_avg(grad_bucket[lo:hi], grad_bucket, async_op=self.config.overlap)
-        self.in_flight.append((g, grad_bucket, work))
-        self._drain(MAX_BUCKETS_IN_FLIGHT if self.config.overlap else 0)
-
-    def _drain(self, keep: int) -> None:
-        while len(self.in_flight) > keep:
-            g, grad_bucket, work = self.in_flight.popleft()
-            if work is not None:
-                work.wait()
-            lo, hi = self.groups[g].shard_range(self.rank)
-            self.grad_shards[g].add_(grad_bucket[lo:hi])
 
     def begin_backward(self, boundary: bool) -> None:
         self.arrivals.reset()
 
     def end_backward(self, boundary: bool) -> None:
         self.arrivals.flush()
-        self._drain(0)
+        self.buckets.drain()
         for g in range(len(self.groups)):
             self._free(g)
 
@@ -234,7 +209,6 @@ class Stage3(Stage):
         return self._gather_master(g, self.optimizer.masters[g])
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        live_buckets = [*self.grad_buckets.values(), *(bucket for _, bucket, _ in self.in_flight)]
         return {"params": [self.flat_param_shard, *self.full_params],
-                "grads": [self.flat_grad_shard, *live_buckets],
+                "grads": [self.flat_grad_shard, *self.buckets.live()],
                 "optimizer_states": self.optimizer.state_tensors()}
