@@ -7,6 +7,7 @@ frozen layer, a layer applied twice in one forward, a float buffer and a bias-fr
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn import functional as F
 
@@ -14,8 +15,11 @@ VOCAB, DIM, HIDDEN, SEQ = 37, 13, 29, 6
 
 
 class AwkwardNet(nn.Module):
-    def __init__(self, seed: int = 0):
+    """`checkpointed=True` recomputes the MLP in backward (torch.utils.checkpoint, non-reentrant)."""
+
+    def __init__(self, seed: int = 0, checkpointed: bool = False):
         super().__init__()
+        self.checkpointed = checkpointed
         torch.manual_seed(seed)
         self.embed = nn.Embedding(VOCAB, DIM)
         self.frozen = nn.Linear(DIM, DIM)
@@ -31,7 +35,10 @@ class AwkwardNet(nn.Module):
         x = self.embed(tokens)
         x = self.frozen(x)
         x = x + self.shared(torch.tanh(self.shared(x)))
-        x = x + self.mlp(x)
+        if self.checkpointed:
+            x = x + torch.utils.checkpoint.checkpoint(self.mlp, x, use_reentrant=False)
+        else:
+            x = x + self.mlp(x)
         return self.head(self.norm(x) * self.gain)
 
 
@@ -75,7 +82,8 @@ def zero_train(rank: int, world_size: int, jobs: list[tuple[dict, list]]) -> lis
 
     results = []
     for kwargs, batches in jobs:
-        engine = zero_ref.initialize(AwkwardNet(), zero_ref.ZeroConfig(**kwargs))
+        model_kwargs = kwargs.pop("model", {})
+        engine = zero_ref.initialize(AwkwardNet(**model_kwargs), zero_ref.ZeroConfig(**kwargs))
         losses = []
         for micro_batches in batches:
             total = torch.zeros(())

@@ -62,3 +62,15 @@ def test_stage3_moves_three_psi_with_one_unit():
     psi = sum(p.numel() for p in AwkwardNet().parameters() if p.requires_grad)
     moved = results[0]["comm"]["last_step"]
     assert moved["all_gather"] == 2 * psi and moved["reduce_scatter"] == psi and moved["all_reduce"] == 0
+
+
+def test_activation_checkpointing_under_every_stage():
+    """Recomputing a block in backward (torch.utils.checkpoint) gathers its stage-3 unit again and
+    keeps it until its gradients are in; every stage still matches AdamW."""
+    batches = global_batches(4, 1, BATCH)
+    ref_state, ref_losses = reference_train(batches, lr=LR)
+    jobs = [(dict(stage=stage, lr=LR, bucket_numel=50, kernels="torch", model={"checkpointed": True}), batches)
+            for stage in range(4)]
+    for result in spawn(zero_train, 2, jobs, timeout=240)[0]:
+        assert _max_error(result["state"], ref_state) < TOL
+        assert result["losses"] == pytest.approx(ref_losses, abs=TOL)

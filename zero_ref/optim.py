@@ -5,7 +5,8 @@ segment, the gradient segment (in the model dtype, still multiplied by the loss 
 mixed precision, the low-precision parameter segment that receives the rounded result. The moments
 live in two contiguous fp32 buffers of the rank's shard length. The update itself is one call per
 segment into `triton_kernels` (the fused Triton kernel on CUDA, its torch twin elsewhere), so there
-is no per-parameter Python loop on this path.
+is no per-parameter Python loop on this path; segments longer than `bucket_numel` are updated in
+chunks of that size, which bounds the temporaries of the torch twin (the paper's constant buffers).
 
 Before the update, the caller learns the global gradient norm from `local_sum_of_squares`:
 squares are summed on each rank's segments and added across ranks with one scalar all-reduce. The
@@ -62,14 +63,16 @@ class ShardedAdamW:
         inverse times the clipping coefficient)."""
         self.step_count += 1
         beta1, beta2 = self.config.betas
+        chunk = self.config.bucket_numel   # bounds the torch twin's temporaries (constant buffers)
         for master, grad, exp_avg, exp_avg_sq, out in zip(
                 self.masters, grads, self.exp_avgs, self.exp_avg_sqs, low_precision_outs):
-            if master.numel() == 0:
-                continue
-            self.kernels.fused_adamw_(
-                master, grad, exp_avg, exp_avg_sq, out,
-                lr=self.config.lr, beta1=beta1, beta2=beta2, eps=self.config.eps,
-                weight_decay=self.config.weight_decay, step=self.step_count, grad_scale=grad_scale)
+            for start in range(0, master.numel(), chunk):
+                part = slice(start, start + chunk)
+                self.kernels.fused_adamw_(
+                    master[part], grad[part], exp_avg[part], exp_avg_sq[part],
+                    None if out is None else out[part],
+                    lr=self.config.lr, beta1=beta1, beta2=beta2, eps=self.config.eps,
+                    weight_decay=self.config.weight_decay, step=self.step_count, grad_scale=grad_scale)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The tensors that hold optimizer state (for memory accounting)."""

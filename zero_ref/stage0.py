@@ -27,6 +27,8 @@ from .partition import GroupLayout, flatten_params, pack_into_buckets
 from .precision import make_fp32_master
 from .stage_base import Stage
 
+MAX_REDUCTIONS_IN_FLIGHT = 2
+
 
 class Stage0(Stage):
     """Plain data parallelism with bucketed, overlapped all-reduce."""
@@ -62,6 +64,8 @@ class Stage0(Stage):
         work = self.comm.all_reduce_avg(grad_bucket, async_op=self.config.overlap)
         if work is not None:
             self.in_flight.append(work)
+            while len(self.in_flight) > MAX_REDUCTIONS_IN_FLIGHT:   # bound gloo's staging copies
+                self.in_flight.pop(0).wait()
 
     def begin_backward(self, boundary: bool) -> None:
         self.boundary = boundary

@@ -30,6 +30,8 @@ from .partition import GroupLayout, flatten_params, pack_into_buckets
 from .precision import make_fp32_master
 from .stage_base import Stage
 
+MAX_REDUCTIONS_IN_FLIGHT = 2
+
 
 class Stage1(Stage):
     """Optimizer-state partitioning with full gradients and parameters."""
@@ -62,6 +64,8 @@ class Stage1(Stage):
         work = self.comm.reduce_scatter_avg(self.grad_shards[g], grad_bucket, async_op=self.config.overlap)
         if work is not None:
             self.in_flight.append(work)
+            while len(self.in_flight) > MAX_REDUCTIONS_IN_FLIGHT:   # bound gloo's staging copies
+                self.in_flight.pop(0).wait()
 
     def begin_backward(self, boundary: bool) -> None:
         self.boundary = boundary

@@ -93,6 +93,7 @@ class Stage3(Stage):
         self.users = [0] * len(self.groups)             # modules inside their forward using the group
         self.forward_order: list[int] = []              # groups in order of first use, first forward
         self.order_known = False
+        self.in_backward = False
         self.buckets = ShardedGradBuckets(comm, self.groups, self.grad_shards, self.dtype, self.device,
                                           config.overlap)
         self.arrivals = GroupArrivals(self.groups, self.buckets.reduce_scatter)
@@ -145,14 +146,16 @@ class Stage3(Stage):
                 if not self.order_known and g not in self.forward_order:
                     self.forward_order.append(g)
                 self._gather(g, wait=True)
-                if self.order_known:
+                if self.order_known and not self.in_backward:
                     self._prefetch_after(self.forward_order, g)
             self.users[g] += 1
 
     def _release(self, groups: list[int], output) -> None:
         for g in groups:
             self.users[g] -= 1
-            if self.users[g] == 0:
+            # A forward inside backward is activation-checkpoint recomputation: its unit must stay
+            # gathered for the backward that follows; _on_grad frees it once its gradients are in.
+            if self.users[g] == 0 and not self.in_backward:
                 self._free(g)
         if torch.is_grad_enabled():
             for tensor in tree_flatten(output)[0]:
@@ -161,6 +164,7 @@ class Stage3(Stage):
 
     def pre_forward(self) -> None:
         self.users = [0] * len(self.groups)
+        self.in_backward = False
 
     def post_forward(self) -> None:
         for g in range(len(self.groups)):   # prefetched units that this forward never used
@@ -188,8 +192,10 @@ class Stage3(Stage):
 
     def begin_backward(self, boundary: bool) -> None:
         self.arrivals.reset()
+        self.in_backward = True
 
     def end_backward(self, boundary: bool) -> None:
+        self.in_backward = False
         self.arrivals.flush()
         self.buckets.drain()
         for g in range(len(self.groups)):
