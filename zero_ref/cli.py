@@ -1,5 +1,6 @@
 """The `zero-ref` command.
 
+    zero-ref reproduce [--quick]
     zero-ref train --stage 2 --dtype bf16 --nproc 2 --steps 50
     zero-ref consolidate CHECKPOINT OUT
 
@@ -188,8 +189,16 @@ def _run_consolidate(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["reproduce"]:   # the studies keep their own options: zero-ref reproduce --help
+        from experiments.reproduce import main as reproduce
+
+        reproduce(argv[1:])
+        return
     parser = argparse.ArgumentParser(prog="zero-ref", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("reproduce", help="run every study of the paper at the size this machine allows "
+                                     "and write results/ and results/REPORT.md (see zero-ref reproduce --help)")
     _train_parser(sub)
     _consolidate_parser(sub)
     args = parser.parse_args(argv)

@@ -1,0 +1,78 @@
+"""Where a result came from: the command, the git revision, the machine and the date.
+
+Every study writes ``meta.json`` beside its CSVs with ``provenance(argv)``, so a number under
+``results/`` can always be traced to the code and the hardware that produced it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_revision() -> str:
+    """HEAD's commit, with "+dirty" when the working tree has changes."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
+def hardware() -> dict:
+    """CPU, core count, memory, and the GPU if there is one."""
+    import torch
+
+    info = {"machine": platform.machine(), "cpu": _cpu_name(), "cores": os.cpu_count(),
+            "memory_gb": _memory_gb(), "python": platform.python_version(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def command_line() -> str:
+    """The command this process was started with, as a user would type it."""
+    program = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("python")
+    if program.suffix == ".py":
+        try:
+            shown = f"python {program.resolve().relative_to(ROOT)}"
+        except ValueError:
+            shown = f"python {program}"
+    else:
+        shown = program.name
+    return " ".join([shown, *sys.argv[1:]])
+
+
+def provenance() -> dict:
+    """The record written to meta.json: command, git revision, hardware, date."""
+    return {"command": command_line(), "git_revision": git_revision(), "hardware": hardware(),
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_gb() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                return round(int(line.split()[1]) * 1024 / 1e9, 1)
+    except OSError:
+        pass
+    return None

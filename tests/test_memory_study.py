@@ -1,0 +1,154 @@
+"""The memory study: Table 1, Figure 1 and 1T@1024 from the engine at scale, the max-model-size
+search against Table 2, small real runs, and `reproduce --quick` end to end.
+
+One quick reproduce run (about a minute on 2 cores) is shared by the tests that read its outputs,
+so every number asserted here was produced by the code path that writes results/.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from experiments import max_model_size as mms
+from experiments import paper_values as pv
+from experiments.memory_real_runs import RealRun, one_rank_of, predict
+from zero_ref import memory_model as mm
+from zero_ref.at_scale import ModelShape, exact_shape, measure_at_scale
+
+PAPER = Path(__file__).resolve().parents[1].parent / "shared" / "paper"
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> Path:
+    from experiments.reproduce import main
+
+    out = tmp_path_factory.mktemp("results")
+    main(["--quick", "--quiet", "--out", str(out)])
+    return out
+
+
+# ------------------------------------------------------------------------- without the engine
+def test_model_family_counts():
+    """GPTLike has exactly gpt2_like_params parameters, and its MP slice what the slice formula says."""
+    shape = ModelShape(3, 96, 4, vocab=500, seq=32)
+    assert sum(p.numel() for p in shape.build("meta").parameters()) == shape.params
+    for mp in (2, 4):
+        assert sum(p.numel() for p in shape.build("meta", mp=mp).parameters()) == shape.params_per_mp_rank(mp)
+    for psi, hidden, heads in [(7_500_000_000, 8000, 64), (10**12, 25600, 200)]:
+        assert exact_shape(psi, hidden, heads).params == psi
+
+
+def test_search_reproduces_theory_and_is_monotone():
+    """With nothing but model states and the whole 32 GB, the search finds Table 2's theory; the
+    real search finds less, and more with every stage."""
+    bare = mms.Assumptions(device_bytes=32e9, context_bytes=0, fragmentation=0, baseline_fp32_grads=False,
+                           cb_buffers=0)
+    case = mms.Case("x", 1, 64, 1, 1)
+    shape, terms = mms.largest_model(case, bare)
+    assert terms["states"] <= 32e9 and shape.params <= mm.max_params_fitting(1, 64, 32e9)
+    sizes = [mms.largest_model(mms.Case("x", s, 64, 1, 1), mms.Assumptions())[0].params for s in range(4)]
+    assert sizes == sorted(sizes)
+
+
+def test_engine_at_scale_small_case_with_padding():
+    """Nd = 1000 does not divide the groups: the engine pads, within the stated bound."""
+    r = measure_at_scale(ModelShape(2, 64, 4, vocab=1000, seq=16), 2, 1000)
+    assert r.padding > 0 and r.within_padding and r.tracker_agrees
+
+
+@pytest.mark.skipif(not (PAPER / "table1_memory.csv").is_file(), reason="shared/paper not beside the repo")
+def test_paper_values_match_the_shared_paper_files():
+    with (PAPER / "table1_memory.csv").open() as f:
+        for row in csv.DictReader(f):
+            stage = mm.parse_stage(row["stage"])
+            assert pv.TABLE1_GB[(row["model"], int(row["nd_dp_degree"]))][stage - 1] == float(row["paper_value_gb"])
+    with (PAPER / "table2_max_model_size.csv").open() as f:
+        for row in csv.DictReader(f):
+            nm = int(row["mp_degree"])
+            assert pv.TABLE2_MEASURED_B[nm] == (float(row["measured_baseline_params_B"]),
+                                                float(row["measured_zero_dp_pos_params_B"]))
+            assert pv.TABLE2_THEORY_B[nm][:3] == (float(row["theoretical_baseline_params_B"]),
+                                                  float(row["theoretical_pos_params_B"]),
+                                                  float(row["theoretical_pos_g_params_B"]))
+
+
+def test_real_run_prediction_terms():
+    """Stage 0's unfused optimizer step needs 12 bytes per parameter on top of 16."""
+    run = RealRun()
+    p = predict(run, 0, 2)
+    assert p["states"] == 16 * run.shape.params and p["step_temporaries"] == 12 * run.shape.params
+
+
+def test_one_rank_of_a_fake_group_with_real_tensors():
+    """The GPU path (real allocations, fake collectives), run on the CPU: peak within 10%."""
+    run = RealRun(steps=1)
+    for row in one_rank_of(8, run, [3], "cpu"):
+        assert row["collectives"] == "fake"
+        predicted = predict(run, row["stage"], 8, gloo=False)
+        assert row["engine_states"] == pytest.approx(predicted["states"], rel=0.005)
+        assert row["peak"] == pytest.approx(predicted["peak"], rel=0.10)
+
+
+# ---------------------------------------------------------------------- from reproduce --quick
+def test_table1_all_54_cells(quick):
+    table = pd.read_csv(quick / "memory" / "table1.csv")
+    assert len(table) == 54
+    assert ((table.engine_gb - table.paper_gb).abs() <= 1.0).all()
+    assert ((table.formula_gb - table.paper_gb).abs() <= 1.0).all()
+    assert table.within_padding.all() and table.tracker_equals_engine.all()
+    assert (table.engine_gb * mm.GB - table.analysis_gb * mm.GB <= table.padding_bound_bytes).all()
+
+
+def test_figure1(quick):
+    fig1 = pd.read_csv(quick / "memory" / "figure1.csv").set_index("stage")
+    for stage, paper_gb in pv.FIGURE1_GB.items():
+        assert fig1.loc[stage, "engine_gb"] == pytest.approx(paper_gb, abs=0.05)
+        assert fig1.loc[stage, "tracker_gb"] == fig1.loc[stage, "engine_gb"]
+
+
+def test_trillion_parameters_at_1024_ranks(quick):
+    bench = json.loads((quick / "memory" / "bench_1t.json").read_text())
+    assert bench["psi"] == 10**12 and bench["nd"] == 1024 and bench["stage"] == 3
+    assert bench["engine_total"] == bench["tracker_total"]
+    exact = 16 * 10**12 // 1024                               # 15.625 GB: 16 bytes per parameter / Nd
+    assert exact <= bench["engine_total"] <= exact + bench["padding_bound"]
+    assert round(bench["engine_total"] / mm.GB, 1) == pv.TRILLION_AT_1024_GB
+    assert bench["seconds"] < 60 and bench["max_rss_bytes"] < 2e9
+
+
+def test_table2_search_against_measured(quick):
+    table = pd.read_csv(quick / "memory" / "table2.csv")
+    measured = table[table.paper_measured_b.notna()]
+    assert len(measured) == 12                      # 5 MP degrees × (baseline, Pos) + the no-MP pair
+    assert (measured.error_pct.abs() <= 15).all(), measured[["case", "ours_b", "paper_measured_b"]]
+    theory = table[table.study == "Table 2"]
+    assert (theory.formula_theory_b - theory.paper_theory_b).abs().max() < 50   # the paper's 0.5T/1T/2T
+    confirmed = table[table.engine_states_gb.notna()]
+    assert len(confirmed) >= 4
+    assert ((confirmed.engine_states_gb - confirmed.states_gb).abs() < 0.01).all()
+
+
+def test_real_runs_predicted_vs_measured(quick):
+    runs = pd.read_csv(quick / "memory" / "real_runs.csv")
+    assert set(runs.stage) == {0, 1, 2, 3} and set(runs.world) == {2}
+    assert (runs.states_error_pct.abs() < 0.5).all()        # padding only
+    assert (runs.live_vs_engine_pct.abs() < 0.5).all()      # the tracker sees what the engine reports
+    assert (runs.peak_error_pct.abs() <= 10).all(), runs[["stage", "peak_predicted", "peak_measured"]]
+
+
+def test_reproduce_writes_everything(quick):
+    memory = quick / "memory"
+    for name in ("table1.csv", "memory_vs_nd.csv", "figure1.csv", "table2.csv", "table2_sensitivity.csv",
+                 "max_model_vs_nd.csv", "real_runs.csv", "memory_vs_nd.png", "max_model_vs_nd.png",
+                 "real_runs.png", "REPORT.md", "meta.json", "assumptions.json", "bench_1t.json"):
+        assert (memory / name).stat().st_size > 0, name
+    meta = json.loads((quick / "meta.json").read_text())
+    assert meta["quick"] and meta["git_revision"] and meta["hardware"]["cores"] >= 1
+    report = (quick / "REPORT.md").read_text()
+    for item in ("Table 1", "Figure 1", "1T at Nd=1024", "Table 2 theory", "Fig 4", "real run"):
+        assert item in report, item
