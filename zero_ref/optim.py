@@ -48,11 +48,13 @@ class ShardedAdamW:
         self.step_count = 0
 
     def local_sum_of_squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Sum of squares (fp32, 0-d tensor) over this rank's gradient segments."""
+        """Sum of squares (fp32, 0-d tensor) over this rank's gradient segments, in chunks of at
+        most `bucket_numel` elements (so the torch twin's fp32 temporaries stay constant-size)."""
         total = torch.zeros((), dtype=torch.float32, device=self.exp_avg_flat.device)
+        chunk = self.config.bucket_numel
         for grad in grads:
-            if grad.numel():
-                sum_sq, _ = self.kernels.norm_and_overflow(grad)
+            for start in range(0, grad.numel(), chunk):
+                sum_sq, _ = self.kernels.norm_and_overflow(grad[start:start + chunk])
                 total += sum_sq
         return total
 
