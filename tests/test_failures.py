@@ -17,7 +17,7 @@ from torch import nn
 
 import zero_ref
 from awkward import AwkwardNet, global_batches, loss_fn
-from zero_ref.checkpoint import CheckpointError, _seal
+from zero_ref.checkpoint import CheckpointError, _seal, consolidate
 from zero_ref.launch import free_port, spawn
 
 TIMEOUT_S = 4.0
@@ -183,3 +183,13 @@ def test_fuzzed_manifest_never_loads_silently_wrong(world1, tmp_path_factory, mu
     assert reseal, "an unsealed edit was accepted"
     state = engine.full_state_dict()   # accepted: then the weights must be exactly the saved ones
     assert all(torch.equal(state[k], expected[k]) for k in expected), path
+
+
+def test_consolidate_handles_padding_ties_frozen_and_buffers(world1, tmp_path):
+    """Offline consolidation of a stage-3 AwkwardNet checkpoint (padded units, a tied weight, a
+    frozen layer, a buffer) equals the engine's full_state_dict exactly."""
+    saved, expected = world1
+    state = consolidate(saved, tmp_path / "out")
+    assert list(state) == list(expected)
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    assert torch.equal(state["head.weight"], state["embed.weight"])
