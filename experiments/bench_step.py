@@ -1,0 +1,557 @@
+"""Step time of each ZeRO stage against DDP + AdamW(foreach=True), measured in one run.
+
+Goal (the issue): stages 0-2 take at most 1.10x DDP's step time, stage 3 at most 1.50x, on the
+same model, batch, seed and world size.
+
+What is timed: whole training steps, forward + loss + backward + optimizer step (+ clearing the
+gradients), with ``time.perf_counter`` on every rank after a barrier, so a step's time is that of
+the slowest rank. Warm-up steps are run first and not timed.
+
+The systems, all in the same ranks of one spawn (``zero_ref.launch.spawn``):
+
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (bucket size matched to zero_ref's
+  ``bucket_numel``) with ``torch.optim.AdamW(foreach=True)``; ``zero_grad(set_to_none=True)``.
+  With ``--dtype bf16`` the model is cast to bf16 (``model.to(torch.bfloat16)``) and AdamW keeps
+  its moments in bf16 with no fp32 master copy: the plain "cast the model" baseline, which does
+  less optimizer work than zero_ref's mixed precision (fp32 masters and moments, bf16 copy).
+* ``zero-s``: ``zero_ref.initialize(model, ZeroConfig(stage=s, dtype, kernels="torch",
+  bucket_numel))`` and ``engine(tokens)`` / ``engine.backward(loss)`` / ``engine.step()``.
+
+Fairness on a noisy shared machine: the systems are interleaved, round-robin over ``--rounds``
+rounds (each round runs every system for ``steps / rounds`` steps, in an order rotated by one each
+round; by default one step per round), and every system sees the same sequence of batches. The
+CPU time other processes take during each step is measured (/proc/stat's busy time, less what our
+ranks used) and reported. Beside the goal's measure (median step over DDP's median step) the
+table shows noise-robust views: the paired ratio (per round, this system's step over DDP's; median
+over rounds), the ratio of the fastest steps, the ratio of CPU seconds per step, and the ratio of
+medians over the quiet steps only (other processes took < --quiet-threshold of the machine).
+Each system's losses are compared with DDP's step for step as a check that they train the same
+model (in fp32 they agree exactly: same reduction order, AdamW operation for operation).
+
+By default ``bucket_numel`` is 12 * hidden**2, about one transformer block, so stages 0-2 reduce in
+about one bucket per block and stage 3 gathers one block per unit.
+
+Outputs in ``--out`` (default results/bench_step): bench_step.csv (one row per system),
+bench_step_steps.csv (every timed step), meta.json, bench_step.png, REPORT.md; with
+``--profile-steps N`` also profile_<system>.txt (after the timed steps: cProfile by wall clock and
+by main-thread CPU, then torch.profiler, N steps each on rank 0, with a summary in ms per step).
+
+Usage: ``python experiments/bench_step.py [--world-size 2] [--stages 0 1 2 3] [--dtype fp32]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import math
+import os
+import platform
+import pstats
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+# make the repository root importable when run as `python experiments/bench_step.py`
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import zero_ref  # noqa: E402
+from zero_ref.launch import spawn  # noqa: E402
+from zero_ref.models import lm_loss, tiny_gpt2, token_batches  # noqa: E402
+
+GOALS = {0: 1.10, 1: 1.10, 2: 1.10, 3: 1.50}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PHASES = ("forward", "backward", "optimizer")
+
+
+# --- the systems under test ---------------------------------------------------------------------
+class DDPSystem:
+    """DDP + torch.optim.AdamW(foreach=True): the baseline."""
+
+    name, stage = "ddp", None
+
+    def __init__(self, args, model: torch.nn.Module):
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = model.to(DTYPES[args.dtype])
+        bucket_mb = args.bucket_numel * DTYPES[args.dtype].itemsize / 2**20
+        self.model = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr,
+                                           weight_decay=args.weight_decay, foreach=True)
+
+    def forward(self, tokens):
+        return self.model(tokens)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class ZeroSystem:
+    """zero_ref at one stage."""
+
+    def __init__(self, args, model: torch.nn.Module, stage: int):
+        self.name, self.stage = f"zero-{stage}", stage
+        config = zero_ref.ZeroConfig(stage=stage, dtype=args.dtype, lr=args.lr,
+                                     weight_decay=args.weight_decay, kernels="torch",
+                                     bucket_numel=args.bucket_numel)
+        self.engine = zero_ref.initialize(model, config)
+
+    def forward(self, tokens):
+        return self.engine(tokens)
+
+    def backward(self, loss):
+        self.engine.backward(loss)
+
+    def step(self):
+        self.engine.step()
+
+
+def make_model(args) -> torch.nn.Module:
+    return tiny_gpt2(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads,
+                     vocab_size=args.vocab, n_positions=args.seq, seed=args.seed)
+
+
+def timed_step(system, tokens) -> tuple[list, float]:
+    """One training step; returns the wall times of its phases (forward incl. loss, backward,
+    optimizer step), then the CPU time this process (all its threads) spent in the step, and the
+    loss."""
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    loss = lm_loss(system.forward(tokens).logits, tokens)
+    t1 = time.perf_counter()
+    system.backward(loss)
+    t2 = time.perf_counter()
+    system.step()
+    t3 = time.perf_counter()
+    c3 = time.process_time()
+    return [t1 - t0, t2 - t1, t3 - t2, c3 - c0], loss.item()
+
+
+# --- what every rank runs -----------------------------------------------------------------------
+def rank_main(rank: int, world_size: int, args) -> dict:
+    systems = [DDPSystem(args, make_model(args))]
+    systems += [ZeroSystem(args, make_model(args), s) for s in args.stages]
+    batches = token_batches(args.vocab, args.batch, args.seq, rank, world_size, seed=args.seed + 1)
+    total = args.warmup + args.steps
+    data = [next(batches)[1] for _ in range(total)]
+    per_round = math.ceil(args.steps / args.rounds)
+
+    step_of = {s.name: 0 for s in systems}            # next batch index per system
+    times = {s.name: [] for s in systems}   # per timed step: [forward, backward, optimizer, cpu, machine busy]
+    rounds = {s.name: [] for s in systems}             # per timed step: its round
+    losses = {s.name: [] for s in systems}             # per step (warm-up included)
+    progress = tqdm(total=len(systems) * total, desc="steps", unit="step", dynamic_ncols=True) if rank == 0 else None
+
+    def run(system, n: int, timed: bool, round_index: int = -1) -> None:
+        for _ in range(n):
+            i = step_of[system.name]
+            dist.barrier()
+            busy_before = busy_cpu_seconds()
+            phases, loss = timed_step(system, data[i])
+            busy_after = busy_cpu_seconds()
+            phases.append(None if busy_before is None else busy_after - busy_before)
+            step_of[system.name] = i + 1
+            losses[system.name].append(loss)
+            if timed:
+                times[system.name].append(phases)
+                rounds[system.name].append(round_index)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix_str(system.name)
+
+    for system in systems:                             # warm-up, not timed
+        run(system, args.warmup, timed=False)
+    dist.barrier()
+    busy0, own0, wall0 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
+    for r in range(args.rounds):                       # interleaved, order rotated every round
+        order = systems[r % len(systems):] + systems[:r % len(systems)]
+        for system in order:
+            left = args.steps - len(times[system.name])
+            run(system, min(per_round, left), timed=True, round_index=r)
+    dist.barrier()
+    busy1, own1, wall1 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
+    if progress is not None:
+        progress.close()
+
+    profiles = {}
+    if args.profile_steps > 0:
+        for system in systems:
+            if args.profile and system.name not in args.profile:
+                continue
+            profiles[system.name] = profile_system(system, data, step_of, args.profile_steps, rank)
+    timed_window = dict(wall_s=wall1 - wall0, own_cpu_s=own1 - own0,
+                        machine_busy_cpu_s=None if busy0 is None else busy1 - busy0)
+    return {"times": times, "rounds": rounds, "losses": losses, "profiles": profiles, "window": timed_window,
+            "threads": torch.get_num_threads()}
+
+
+def profile_system(system, data, step_of, n: int, rank: int) -> str | None:
+    """Run 3 x n more steps of `system`; on rank 0 under cProfile timing wall clock, then cProfile
+    timing the main thread's CPU (blind to waits, but also to other processes taking the core),
+    then torch.profiler. Returns the report text on rank 0."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def steps():
+        for _ in range(n):
+            i = step_of[system.name] % len(data)
+            dist.barrier()
+            timed_step(system, data[i])
+            step_of[system.name] += 1
+
+    profilers = {"wall": cProfile.Profile(time.perf_counter), "cpu": cProfile.Profile(time.thread_time)}
+    for profiler in profilers.values():
+        if rank == 0:
+            profiler.enable()
+        steps()
+        if rank == 0:
+            profiler.disable()
+    if rank == 0:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            steps()
+    else:
+        steps()
+    if rank != 0:
+        return None
+    out = io.StringIO()
+    out.write(f"# {system.name}: cProfile and torch.profiler on rank 0, {n} steps each\n\n")
+    out.write(profile_summary(profilers, n))
+    for kind, profiler in profilers.items():
+        stats = pstats.Stats(profiler, stream=out)
+        out.write(f"\n## cProfile ({kind} time), by cumulative time\n")
+        stats.sort_stats("cumulative").print_stats(45)
+        out.write(f"\n## cProfile ({kind} time), by own time\n")
+        stats.sort_stats("tottime").print_stats(30)
+    out.write(f"\n## torch.profiler, {n} steps, by self CPU time\n")
+    out.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+    out.write(f"\n## torch.profiler, {n} steps, by total CPU time\n")
+    out.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+    return out.getvalue()
+
+
+def profile_summary(profilers: dict, n: int) -> str:
+    """ms per step, cumulative, of the step's own functions and of zero_ref's, triton_kernels' and
+    torch.optim's, by wall clock and by main-thread CPU."""
+    interesting = ("zero_ref", "triton_kernels", "torch/optim", "bench_step.py", "distributed_c10d.py")
+    table: dict[str, dict[str, float]] = {}
+    for kind, profiler in profilers.items():
+        for (filename, line, func), (_, _, _, cumtime, _) in pstats.Stats(profiler).stats.items():
+            short = next((filename[filename.index(k):] for k in interesting if k in filename), None)
+            if short is None and not func.startswith("<built-in method torch._C._distributed_c10d"):
+                continue
+            label = f"{short}:{line}({func})" if short else func
+            table.setdefault(label, {})[kind] = cumtime / n * 1e3
+    rows = sorted(table.items(), key=lambda kv: -kv[1].get("wall", 0.0))
+    lines = ["## summary: ms per step (cumulative), rank 0", "",
+             f"{'wall':>8} {'cpu':>8}  function"]
+    for label, v in rows[:40]:
+        lines.append(f"{v.get('wall', float('nan')):8.1f} {v.get('cpu', float('nan')):8.1f}  {label}")
+    return "\n".join(lines) + "\n"
+
+
+# --- summary and outputs ------------------------------------------------------------------------
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def summarize(results: list[dict], args) -> tuple[list[dict], list[dict]]:
+    """Per-step time = the slowest rank's; per system: median, quartiles, ratio, goal."""
+    names = list(results[0]["times"])
+    step_rows, rows = [], []
+    medians = {}
+    for name in names:
+        per_rank = [r["times"][name] for r in results]
+        steps = []
+        for k in range(len(per_rank[0])):
+            phases = [[rank_times[k][j] for rank_times in per_rank] for j in range(len(PHASES))]
+            total = max(sum(rank_times[k][:len(PHASES)]) for rank_times in per_rank)
+            cpu = max(rank_times[k][len(PHASES)] for rank_times in per_rank)
+            # CPU that other processes took during this step: the machine's busy CPU seconds
+            # (read on rank 0 around the step) less what our ranks used (all their threads)
+            busy = per_rank[0][k][len(PHASES) + 1]
+            other = None if busy is None else max(0.0, busy - sum(rt[k][len(PHASES)] for rt in per_rank))
+            steps.append(total)
+            step_rows.append(dict(system=name, step=k, round=results[0]["rounds"][name][k], step_s=total,
+                                  **{f"{p}_s": max(v) for p, v in zip(PHASES, phases)}, cpu_s=cpu,
+                                  other_cpu_frac=None if other is None else other / (total * (os.cpu_count() or 1))))
+        q1, med, q3 = quartiles(steps)
+        medians[name] = med
+        row = dict(system=name, dtype=args.dtype, world_size=args.world_size, steps=len(steps),
+                   median_s=med, q1_s=q1, q3_s=q3, iqr_s=q3 - q1, min_s=min(steps),
+                   cpu_median_s=statistics.median(sr["cpu_s"] for sr in step_rows if sr["system"] == name))
+        for j, p in enumerate(PHASES):
+            row[f"{p}_median_s"] = statistics.median(max(rt[k][j] for rt in per_rank)
+                                                     for k in range(len(steps)))
+        ddp_losses, losses = results[0]["losses"]["ddp"], results[0]["losses"][name]
+        row["max_loss_diff_vs_ddp"] = max(abs(a - b) for a, b in zip(losses, ddp_losses))
+        row["final_loss"] = losses[-1]
+        rows.append(row)
+    # paired ratio: in each round, this system's median step over DDP's; the median over rounds.
+    # Load from other processes that comes and goes then hits both sides of each ratio alike.
+    by_round: dict[str, dict[int, list[float]]] = {}
+    for sr in step_rows:
+        by_round.setdefault(sr["system"], {}).setdefault(sr["round"], []).append(sr["step_s"])
+    for row in rows:
+        mine, ddp = by_round[row["system"]], by_round["ddp"]
+        row["paired_ratio"] = statistics.median(statistics.median(mine[r]) / statistics.median(ddp[r])
+                                                for r in mine if r in ddp)
+    # quiet steps: those during which other processes took less than --quiet-threshold of the machine
+    for row in rows:
+        quiet = [sr["step_s"] for sr in step_rows if sr["system"] == row["system"]
+                 and sr["other_cpu_frac"] is not None and sr["other_cpu_frac"] < args.quiet_threshold]
+        row["quiet_steps"] = len(quiet)
+        row["quiet_median_s"] = statistics.median(quiet) if quiet else float("nan")
+    for row in rows:
+        row["quiet_ratio"] = row["quiet_median_s"] / next(r["quiet_median_s"] for r in rows if r["system"] == "ddp")
+    for row in rows:
+        stage = None if row["system"] == "ddp" else int(row["system"].split("-")[1])
+        row["stage"] = stage
+        row["ratio_to_ddp"] = row["median_s"] / medians["ddp"]
+        row["min_ratio"] = row["min_s"] / next(r["min_s"] for r in rows if r["system"] == "ddp")
+        row["cpu_ratio"] = row["cpu_median_s"] / next(r["cpu_median_s"] for r in rows if r["system"] == "ddp")
+        row["goal"] = GOALS[stage] if stage is not None else float("nan")
+        row["pass"] = "" if stage is None else ("pass" if row["ratio_to_ddp"] <= row["goal"] else "FAIL")
+    return rows, step_rows
+
+
+def hardware() -> dict:
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        model = names[0] if names else model
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_count": os.cpu_count(), "platform": platform.platform()}
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds every process on this machine has spent busy since boot (/proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)   # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout.strip()
+        return rev + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
+def write_outputs(args, rows, step_rows, results, meta) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    os.makedirs(args.out, exist_ok=True)
+    columns = ["system", "stage", "dtype", "world_size", "steps", "median_s", "q1_s", "q3_s", "iqr_s",
+               "ratio_to_ddp", "goal", "pass", "paired_ratio", "min_s", "min_ratio", "cpu_median_s",
+               "cpu_ratio", "quiet_steps", "quiet_median_s", "quiet_ratio", "forward_median_s",
+               "backward_median_s", "optimizer_median_s", "max_loss_diff_vs_ddp", "final_loss"]
+    pd.DataFrame(rows)[columns].to_csv(os.path.join(args.out, "bench_step.csv"), index=False)
+    steps = pd.DataFrame(step_rows)
+    steps.to_csv(os.path.join(args.out, "bench_step_steps.csv"), index=False)
+    with open(os.path.join(args.out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    for name, text in results[0]["profiles"].items():
+        if text:
+            with open(os.path.join(args.out, f"profile_{name}.txt"), "w") as f:
+                f.write(text)
+    with open(os.path.join(args.out, "REPORT.md"), "w") as f:
+        f.write(report_markdown(rows, meta, sorted(results[0]["profiles"])))
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    order = [r["system"] for r in rows]
+    sns.barplot(data=steps, x="system", y="step_s", order=order, estimator="median",
+                errorbar=("pi", 50), color="#4c72b0", ax=ax)
+    ddp = next(r["median_s"] for r in rows if r["system"] == "ddp")
+    for i, r in enumerate(rows):
+        if r["stage"] is not None:
+            ax.hlines(ddp * r["goal"], i - 0.4, i + 0.4, color="#c44e52", linestyle="--", linewidth=1.5)
+        ax.text(i, max(r["median_s"], r["q3_s"]) * 1.02, f"{r['ratio_to_ddp']:.2f}x", ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("step time, s (median, bar: IQR)")
+    ax.set_xlabel("")
+    ax.set_title(f"world {args.world_size}, {args.dtype}; dashed: goal vs DDP", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "bench_step.png"), dpi=120)
+    plt.close(fig)
+
+
+def report_markdown(rows, meta, profiled: list[str]) -> str:
+    a = meta["args"]
+    share = meta.get("other_processes_cpu_fraction_timed")
+    lines = [
+        "# Step time: zero_ref stages vs DDP (generated by experiments/bench_step.py; do not edit)", "",
+        f"- command: `{meta['command']}`", f"- git revision: {meta['git_revision']}",
+        f"- hardware: {meta['hardware']['cpu_model']}, {meta['hardware']['cpu_count']} cores; "
+        f"{meta['threads_per_rank']} torch thread(s) per rank; torch {meta['torch']}; {meta['date']}",
+        f"- model: tiny_gpt2, {a['layers']} layers, hidden {a['hidden']}, {a['heads']} heads, vocab {a['vocab']}, "
+        f"seq {a['seq']}: {meta['parameters']:,} parameters; global batch {a['batch']}; world size "
+        f"{a['world_size']}; {a['dtype']}; bucket_numel {a['bucket_numel']:,}",
+        f"- baseline: {meta['baseline']}",
+        f"- timing: {meta['timing']}; {a['warmup']} warm-up and {a['steps']} timed steps per system in "
+        f"{a['rounds']} rounds",
+        "- disturbance: other processes took "
+        + ("(unknown)" if share is None else f"{share:.0%} of the machine's CPU during the timed steps")
+        + ("; **the timings are disturbed**" if share is not None and share > 0.1 else ""), "",
+        "| system | median s | IQR s | ratio to DDP | goal | result | paired | min | cpu | quiet (n) "
+        "| fwd s | bwd s | opt s | max abs loss diff |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        goal = "" if r["stage"] is None else f"{r['goal']:.2f}"
+        lines.append(
+            f"| {r['system']} | {r['median_s']:.4f} | {r['iqr_s']:.4f} | {r['ratio_to_ddp']:.3f} | {goal} | "
+            f"{r['pass']} | {r['paired_ratio']:.3f} | {r['min_ratio']:.3f} | {r['cpu_ratio']:.3f} | "
+            f"{r['quiet_ratio']:.3f} ({r['quiet_steps']}) | {r['forward_median_s']:.4f} | "
+            f"{r['backward_median_s']:.4f} | {r['optimizer_median_s']:.4f} | {r['max_loss_diff_vs_ddp']:.2e} |")
+    lines += [
+        "", "ratio: median step over DDP's median step (the goal's measure); paired: per round, this "
+        "system's step over DDP's, median over rounds; min: fastest step over DDP's fastest; cpu: median "
+        "CPU seconds per step of the busiest rank (all threads) over DDP's; quiet: ratio of medians over "
+        f"the steps during which other processes took < {a['quiet_threshold']:.0%} of the machine (n: how "
+        "many). Phase columns (fwd incl. loss, bwd, opt incl. clearing gradients) are medians of the "
+        "slowest rank's phase.", "",
+        "Files: bench_step.csv (this table), bench_step_steps.csv (every timed step), meta.json, "
+        "bench_step.png" + ("".join(f", profile_{name}.txt" for name in profiled)) + ".",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def print_table(rows) -> None:
+    print(f"\n{'system':<8} {'median s':>9} {'IQR s':>8} {'fwd s':>7} {'bwd s':>7} {'opt s':>7} "
+          f"{'ratio':>6} {'goal':>5}  result  {'paired':>6} {'min':>6} {'cpu':>6} {'quiet':>6}  max|dloss|")
+    for r in rows:
+        goal = "" if r["stage"] is None else f"{r['goal']:.2f}"
+        print(f"{r['system']:<8} {r['median_s']:9.4f} {r['iqr_s']:8.4f} {r['forward_median_s']:7.4f} "
+              f"{r['backward_median_s']:7.4f} {r['optimizer_median_s']:7.4f} {r['ratio_to_ddp']:6.3f} "
+              f"{goal:>5}  {r['pass']:<6}  {r['paired_ratio']:6.3f} {r['min_ratio']:6.3f} {r['cpu_ratio']:6.3f} "
+              f"{r['quiet_ratio']:6.3f}  "
+              f"{r['max_loss_diff_vs_ddp']:.2e}")
+    print("ratio: median step over DDP's median step (the goal's measure); paired: median over rounds of "
+          "the per-round ratio;\nmin: fastest step over DDP's fastest; cpu: median CPU seconds per step of the "
+          "busiest rank (all its threads) over DDP's;\nquiet: median over the steps during which other "
+          "processes took < --quiet-threshold of the machine, over DDP's (n quiet steps: "
+          + ", ".join(f"{r['system']} {r['quiet_steps']}" for r in rows) + ")")
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per system")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per system first")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="round-robin rounds the timed steps are split into (default --steps: "
+                             "every round times one step of each system)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences), split over ranks")
+    parser.add_argument("--bucket-numel", type=int, default=None,
+                        help="zero_ref bucket_numel and DDP bucket size (default 12 * hidden**2, one block)")
+    parser.add_argument("--quiet-threshold", type=float, default=0.05,
+                        help="a step is quiet when other processes took less than this share of the machine")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after timing, profile 3 x this many steps of each system on rank 0")
+    parser.add_argument("--profile", nargs="*", default=None,
+                        help="systems to profile (e.g. ddp zero-1); default all")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds before the ranks are killed")
+    parser.add_argument("--out", default="results/bench_step")
+    args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = args.steps
+    if args.bucket_numel is None:
+        args.bucket_numel = 12 * args.hidden**2
+    if args.batch % args.world_size:
+        parser.error(f"--batch {args.batch} must be divisible by --world-size {args.world_size}")
+
+    n_params = sum(p.numel() for p in make_model(args).parameters())
+    print(f"tiny_gpt2: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}: "
+          f"{n_params / 1e6:.2f}M parameters; global batch {args.batch}; world {args.world_size}; "
+          f"{args.dtype}; bucket_numel {args.bucket_numel}")
+    start = time.perf_counter()
+    load_before = os.getloadavg()
+    busy_before, own_before = busy_cpu_seconds(), own_cpu_seconds()
+    results = spawn(rank_main, args.world_size, args, timeout=args.timeout, collective_timeout_s=600)
+    rows, step_rows = summarize(results, args)
+    wall = time.perf_counter() - start
+    other_cpu = other_timed = None
+    if busy_before is not None:   # CPU time other processes took from our cores during the run
+        other_cpu = max(0.0, busy_cpu_seconds() - busy_before - (own_cpu_seconds() - own_before))
+        window = results[0]["window"]   # ... and during the timed steps only
+        other_timed = max(0.0, window["machine_busy_cpu_s"] - sum(r["window"]["own_cpu_s"] for r in results))
+    meta = dict(
+        command=shlex.join([os.path.basename(sys.executable), *sys.argv]),
+        git_revision=git_revision(), hardware=hardware(), torch=torch.__version__,
+        python=platform.python_version(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        wall_s=wall, load_average_1min_before_after=[load_before[0], os.getloadavg()[0]],
+        other_processes_cpu_s=other_cpu,
+        other_processes_cpu_fraction=None if other_cpu is None else other_cpu / (wall * (os.cpu_count() or 1)),
+        timed_window=results[0]["window"],
+        other_processes_cpu_s_timed=other_timed,
+        other_processes_cpu_fraction_timed=(None if other_timed is None else
+                                            other_timed / (results[0]["window"]["wall_s"] * (os.cpu_count() or 1))),
+        threads_per_rank=results[0]["threads"], parameters=n_params,
+        args={k: v for k, v in vars(args).items()},
+        goals={f"zero-{s}": GOALS[s] for s in args.stages},
+        timing=("whole step (forward + lm_loss + backward + optimizer step + clearing grads), "
+                "time.perf_counter on each rank after a barrier; a step's time is the slowest rank's; "
+                "median and IQR over the timed steps; systems interleaved round-robin, order rotated each round"),
+        baseline=(f"DDP(bucket_cap_mb={args.bucket_numel * DTYPES[args.dtype].itemsize / 2**20:.3f}) + "
+                  "torch.optim.AdamW(foreach=True), zero_grad(set_to_none=True)"
+                  + ("; model cast to bf16 with model.to(torch.bfloat16), AdamW states in bf16, "
+                     "no fp32 master weights" if args.dtype == "bf16" else "; fp32")),
+        zero_ref_config=dict(dtype=args.dtype, lr=args.lr, weight_decay=args.weight_decay,
+                             kernels="torch", bucket_numel=args.bucket_numel),
+        summary=rows)
+    write_outputs(args, rows, step_rows, results, meta)
+    print_table(rows)
+    if other_timed is not None:
+        share = meta["other_processes_cpu_fraction_timed"]
+        print(f"other processes used {other_timed:.1f} CPU-s during the timed steps ({share:.0%} of the "
+              "machine)" + ("; timings are disturbed, rerun on a quiet machine" if share > 0.1 else ""))
+    print(f"\nwrote {args.out}/bench_step.csv, bench_step_steps.csv, meta.json, bench_step.png"
+          + (", profile_*.txt" if results[0]["profiles"] else "") + f" ({meta['wall_s']:.0f} s)")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
