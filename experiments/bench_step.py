@@ -66,6 +66,7 @@ sys.path.insert(0, ROOT)
 import zero_ref  # noqa: E402
 from zero_ref.launch import spawn  # noqa: E402
 from zero_ref.models import lm_loss, tiny_gpt2, token_batches  # noqa: E402
+from experiments.provenance import git_revision  # noqa: E402
 
 GOALS = {0: 1.10, 1: 1.10, 2: 1.10, 3: 1.50}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -353,17 +354,6 @@ def busy_cpu_seconds() -> float | None:
 def own_cpu_seconds() -> float:
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
-
-
-def git_revision() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
-                               text=True, check=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
 
 
 def write_outputs(args, rows, step_rows, results, meta) -> None:

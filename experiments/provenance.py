@@ -17,12 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def git_revision() -> str:
-    """HEAD's commit, with "+dirty" when the working tree has changes."""
+    """HEAD's commit, with "+dirty" when the working tree has changes outside results/ (which the
+    studies are writing as they run)."""
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True,
-                               check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)results"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
