@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -35,8 +34,8 @@ from tqdm import tqdm
 
 # make the repository root importable when run as `python experiments/bench_kernels.py`
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments.provenance import git_revision  # noqa: E402
 import triton_kernels  # noqa: E402
-from triton_kernels import reference  # noqa: E402
 
 BYTES_PER_ELEMENT = {"adamw_step": 28, "unflatten": 4, "norm": 2}
 BASELINE = {"adamw_step": ("torch-AdamW-fused+cast", "torch-AdamW-foreach+cast"),
@@ -188,19 +187,6 @@ def run(sizes: list[int], repeats: int, device: torch.device) -> tuple[list[dict
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows, copy_bps, note
-
-
-def git_revision() -> str:
-    """Return ``git rev-parse HEAD`` of this checkout (plus ``-dirty`` if it has changes)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True,
-                               text=True, check=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
 
 
 def write_outputs(out: str, rows: list[dict], copy_bps: float, note: str, meta: dict) -> None:

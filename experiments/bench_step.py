@@ -52,7 +52,6 @@ import platform
 import pstats
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 

@@ -1,18 +1,16 @@
 """Sharded checkpoints: exact resume, resharding across world sizes and stages, crash safety,
 consolidation (with a Hugging Face round trip), and clear errors for bad input."""
 
-import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from awkward import global_batches, zero_phases
-from zero_ref.checkpoint import CheckpointError, consolidate, read_manifest, resolve
+from zero_ref.checkpoint import read_manifest, resolve
 from zero_ref.launch import spawn
 
 BATCH, LR = 12, 1e-2
