@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 # make the repository root importable when run as `python experiments/bench_kernels.py`
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.provenance import git_revision  # noqa: E402
+from experiments.provenance import git_revision, hardware  # noqa: E402
 import triton_kernels  # noqa: E402
 
 BYTES_PER_ELEMENT = {"adamw_step": 28, "unflatten": 4, "norm": 2}
@@ -57,14 +57,8 @@ def hardware_name(device: torch.device) -> str:
     """Name the hardware: the GPU's name, or the CPU model and core count."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        model = names[0] if names else model
-    except OSError:
-        pass
-    return f"{model} ({os.cpu_count()} cores)"
+    info = hardware()
+    return f"{info['cpu']} ({info['cores']} cores)"
 
 
 def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
