@@ -138,3 +138,48 @@ class ShardedGradBuckets:
     def live(self) -> list:
         """The bucket buffers alive now (for memory accounting)."""
         return [*self.filling.values(), *(bucket for _, bucket, _ in self.in_flight)]
+
+
+class FullGradBuckets:
+    """A full flat gradient buffer whose buckets are reduced at the last micro-batch (stages 0, 1).
+
+    Gradients of every micro-batch are added into `bucket(g)` (views of one flat buffer that lives
+    for the whole run). On the micro-batch that ends a step, each bucket is handed to `reduce(g)`,
+    which starts its collective and returns the pending handle, as soon as the bucket is complete
+    and in the same order on every rank; at most `max_in_flight` run at once (gloo stages a copy
+    of each input). `end_backward` launches what is left and waits for all of them.
+    """
+
+    def __init__(self, groups, bucket: Callable[[int], torch.Tensor], reduce: Callable[[int], object],
+                 max_in_flight: int = 2):
+        self.groups, self.bucket, self.reduce = groups, bucket, reduce
+        self.max_in_flight = max_in_flight
+        self.arrivals = GroupArrivals(groups, self._launch)
+        self.boundary = True
+        self.in_flight = deque()
+
+    def add(self, g: int, i: int, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook body: accumulate the gradient, drop `.grad`, count it."""
+        start = self.groups[g].offsets[i]
+        self.bucket(g)[start:start + param.numel()].add_(param.grad.reshape(-1))
+        param.grad = None
+        if self.boundary:
+            self.arrivals.arrive(g, i)
+
+    def _launch(self, g: int) -> None:
+        pending = self.reduce(g)
+        if pending is not None:
+            self.in_flight.append(pending)
+            while len(self.in_flight) > self.max_in_flight:
+                self.in_flight.popleft().wait()
+
+    def begin_backward(self, boundary: bool) -> None:
+        self.boundary = boundary
+        self.arrivals.reset()
+
+    def end_backward(self, boundary: bool) -> None:
+        if not boundary:
+            return   # gradients keep accumulating locally until the last micro-batch
+        self.arrivals.flush()
+        while self.in_flight:
+            self.in_flight.popleft().wait()

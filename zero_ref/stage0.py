@@ -21,13 +21,11 @@ from torch import nn
 
 from .comm import Comm
 from .config import ZeroConfig
-from .grad_hooks import GroupArrivals, register_grad_hooks
+from .grad_hooks import FullGradBuckets, register_grad_hooks
 from .optim import ShardedAdamW
 from .partition import GroupLayout, flatten_params, pack_into_buckets
 from .precision import make_fp32_master
 from .stage_base import Stage
-
-MAX_REDUCTIONS_IN_FLIGHT = 2
 
 
 class Stage0(Stage):
@@ -45,39 +43,21 @@ class Stage0(Stage):
         self.flat_grads = torch.zeros_like(self.flat_params)
         self.optimizer = ShardedAdamW(make_fp32_master([self.flat_params]), config, self.kernels)
 
-        self.arrivals = GroupArrivals(self.groups, self._launch_all_reduce)
-        self.hooks = register_grad_hooks(self.groups, self._on_grad)
-        self.boundary = True
-        self.in_flight: list = []
+        self.grad_buckets = FullGradBuckets(self.groups, self._grad_bucket, self._all_reduce)
+        self.hooks = register_grad_hooks(self.groups, self.grad_buckets.add)
 
-    def _on_grad(self, g: int, i: int, param: nn.Parameter) -> None:
-        """Accumulate the parameter's gradient into the flat buffer; at the boundary, count it."""
-        start = self.groups[g].offsets[i]
-        grad_bucket = self.layout.full_slice(self.flat_grads, g)
-        grad_bucket[start:start + param.numel()].add_(param.grad.reshape(-1))
-        param.grad = None
-        if self.boundary:
-            self.arrivals.arrive(g, i)
+    def _grad_bucket(self, g: int) -> torch.Tensor:
+        return self.layout.full_slice(self.flat_grads, g)
 
-    def _launch_all_reduce(self, g: int) -> None:
-        grad_bucket = self.layout.full_slice(self.flat_grads, g)
-        work = self.comm.all_reduce_avg(grad_bucket, async_op=self.config.overlap)
-        if work is not None:
-            self.in_flight.append(work)
-            while len(self.in_flight) > MAX_REDUCTIONS_IN_FLIGHT:   # bound gloo's staging copies
-                self.in_flight.pop(0).wait()
+    def _all_reduce(self, g: int):
+        """Average bucket g over the group, in place (moves 2n elements per rank)."""
+        return self.comm.all_reduce_avg(self._grad_bucket(g), async_op=self.config.overlap)
 
     def begin_backward(self, boundary: bool) -> None:
-        self.boundary = boundary
-        self.arrivals.reset()
+        self.grad_buckets.begin_backward(boundary)
 
     def end_backward(self, boundary: bool) -> None:
-        if not boundary:
-            return  # gradients keep accumulating locally until the last micro-batch
-        self.arrivals.flush()
-        for work in self.in_flight:
-            work.wait()
-        self.in_flight.clear()
+        self.grad_buckets.end_backward(boundary)
 
     def grad_segments(self) -> list[torch.Tensor]:
         return [self.flat_grads]
