@@ -58,20 +58,11 @@ class Stage2(Stage):
         self.arrivals.flush()
         self.buckets.drain()
 
-    def grad_segments(self) -> list[torch.Tensor]:
-        return self.grad_shards
-
-    def low_precision_segments(self) -> list[torch.Tensor | None]:
-        return self._low_precision(self.param_shards)
-
     def after_update(self) -> None:
         self._all_gather_params(self.layout, self.flat_params, self.param_shards)
 
     def zero_grads(self) -> None:
         self.flat_grad_shard.zero_()
-
-    def full_master(self, g: int) -> torch.Tensor:
-        return self._gather_master(g, self.optimizer.masters[g])
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [self.flat_params], "grads": [self.flat_grad_shard, *self.buckets.live()],

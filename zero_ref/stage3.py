@@ -202,17 +202,8 @@ class Stage3(Stage):
             self._free(g)
 
     # --- step ------------------------------------------------------------------------------------
-    def grad_segments(self) -> list[torch.Tensor]:
-        return self.grad_shards
-
-    def low_precision_segments(self) -> list[torch.Tensor | None]:
-        return self._low_precision(self.param_shards)
-
     def zero_grads(self) -> None:
         self.flat_grad_shard.zero_()
-
-    def full_master(self, g: int) -> torch.Tensor:
-        return self._gather_master(g, self.optimizer.masters[g])
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [self.flat_param_shard, *self.full_params],

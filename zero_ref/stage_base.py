@@ -44,6 +44,8 @@ class Stage:
         self.device = trainable[0].device if trainable else torch.device("cpu")
         self.kernels = triton_kernels.load(config.kernels, self.device)
         self.groups: list[FlatGroup] = []
+        self.param_shards: list[torch.Tensor] = []   # this rank's parameter segment of each group
+        self.grad_shards: list[torch.Tensor] = []    # its averaged gradient segment of each group
         self.optimizer: ShardedAdamW | None = None
 
     # --- around forward and backward -------------------------------------------------------------
@@ -59,12 +61,13 @@ class Stage:
     def end_backward(self, boundary: bool) -> None:
         """After loss.backward(): finish this micro-batch's reductions."""
 
-    # --- the optimizer step ----------------------------------------------------------------------
+    # --- the optimizer step (defaults for the sharded stages: one segment per group) -------------
     def grad_segments(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """This rank's averaged gradient segments, aligned with the optimizer's masters."""
+        return self.grad_shards
 
     def low_precision_segments(self) -> list[torch.Tensor | None]:
-        raise NotImplementedError
+        return self._low_precision(self.param_shards)
 
     def after_update(self) -> None:
         """After the optimizer has updated this rank's segments."""
@@ -75,7 +78,7 @@ class Stage:
     # --- state -----------------------------------------------------------------------------------
     def full_master(self, g: int) -> torch.Tensor:
         """The fp32 master values of group g, full padded length, identical on every rank."""
-        raise NotImplementedError
+        return self._gather_master(g, self.optimizer.masters[g])
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The live tensors this stage holds, by category: params, grads, optimizer_states."""
