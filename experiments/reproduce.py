@@ -8,7 +8,7 @@ paper claim it checks: ``item``, ``paper`` (the paper's value), ``ours``, ``erro
 and how ours was obtained. Later studies plug in by adding an entry to ``STUDIES``.
 
     python -m experiments.reproduce            # the default: a few minutes on a laptop CPU
-    python -m experiments.reproduce --quick    # about a minute: fewer extra cases and real runs
+    python -m experiments.reproduce --quick    # about a minute: fewer extra cases and real runs, no benchmarks
 """
 
 from __future__ import annotations
@@ -30,10 +30,49 @@ def _memory(out: Path, quick: bool, quiet: bool) -> dict:
     return run_study(out, quick, quiet)
 
 
+def _step_time(out: Path, quick: bool, quiet: bool) -> dict:
+    """bench_step.py in fp32 and bf16: every stage's step time against DDP on this machine."""
+    from experiments.bench_step import main as bench
+
+    headline = []
+    for dtype, folder in (("fp32", out), ("bf16", out / "bf16")):
+        rows = bench(["--dtype", dtype, "--out", str(folder)])
+        ddp = next(r for r in rows if r["system"] == "ddp")
+        for r in rows:
+            if r["system"] != "ddp":
+                headline.append({
+                    "item": f"step time, stage {int(r['stage'])} vs DDP + AdamW(foreach), {dtype}, world 2",
+                    "paper": "2Ψ comm. for stages 0-2, 3Ψ for stage 3 (no step time given)",
+                    "ours": f"{r['ratio_to_ddp']:.3f}x DDP ({r['median_s'] * 1e3:.0f} vs {ddp['median_s'] * 1e3:.0f} ms)",
+                    "error": f"project goal <= {r['goal']:.2f}x: {r['pass']}", "how": "real run"})
+    return {"headline": headline, "meta": {}}
+
+
+def _kernels(out: Path, quick: bool, quiet: bool) -> dict:
+    """bench_kernels.py: the optimizer-step kernels against torch's AdamW and the copy bandwidth."""
+    import csv
+
+    from experiments.bench_kernels import main as bench
+
+    bench(["--out", str(out), "--threads", "1"])
+    with open(out / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    headline = [{"item": f"{r['op']} {r['backend']}, {int(r['size']):,} elements ({r['device']})",
+                 "paper": "memory-bound: time set by bytes moved (Sec 3)",
+                 "ours": f"{float(r['gbps']):.1f} GB/s", "error": f"{float(r['frac_copy_bw']):.2f} of copy bandwidth",
+                 "how": "real run"} for r in rows if r["op"] == "adamw_step"]
+    return {"headline": headline, "meta": {}}
+
+
 STUDIES = {
     "memory": ("Memory and model size: Table 1, Figure 1, Table 2, Sec 10.4 (Fig 4's sizes)", _memory),
+    "bench_step": ("Step time of every stage against DDP (project targets; the paper's 2Ψ/3Ψ volumes are in "
+                   "comm_stats)", _step_time),
+    "kernels": ("Fused optimizer-step kernels (Triton rows need CUDA)", _kernels),
 }
 """study folder -> (what it reproduces, its runner)."""
+FULL_ONLY = {"bench_step", "kernels"}
+"""Benchmarks that take minutes: skipped by --quick."""
 
 
 def _cell(value) -> str:
@@ -75,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     sections = []
-    names = args.only or list(STUDIES)
+    names = args.only or [name for name in STUDIES if not (args.quick and name in FULL_ONLY)]
     for folder in tqdm(names, desc="studies", disable=args.quiet, file=sys.stderr):
         title, runner = STUDIES[folder]
         sections.append((folder, title, runner(args.out / folder, args.quick, args.quiet)))
