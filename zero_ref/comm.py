@@ -95,8 +95,9 @@ class Comm:
         self.ledger = ledger
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.timeout_s = None if dist.get_backend(group) == "nccl" else timeout_s
-        if self.timeout_s is not None and dist.get_backend(group) == "gloo":   # not NCCL, not fake
+        backend = dist.get_backend(group)
+        self.timeout_s = None if backend == "nccl" else timeout_s
+        if self.timeout_s is not None and backend == "gloo":   # not NCCL, not the fake test backend
             ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
             group = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s), backend="gloo",
                                    use_local_synchronization=True)

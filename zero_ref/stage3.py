@@ -93,6 +93,8 @@ class Stage3(Stage):
         self.users = [0] * len(self.groups)             # modules inside their forward using the group
         self.forward_order: list[int] = []              # groups in order of first use, first forward
         self.order_known = False
+        self.forward_position: dict[int, int] = {}     # unit -> index in forward_order
+        self.backward_position: dict[int, int] = {}    # unit -> index in the reduce order
         self.in_backward = False
         self.buckets = ShardedGradBuckets(comm, self.groups, self.grad_shards, self.dtype, self.device,
                                           config.overlap)
@@ -117,14 +119,17 @@ class Stage3(Stage):
             self.full_params[g].untyped_storage().resize_(0)
             self.gathered[g] = False
 
-    def _prefetch_after(self, order: list[int], g: int, skip_done: bool = False) -> None:
-        if g not in order:
-            return
-        ahead = order[order.index(g) + 1:]
-        if skip_done:
-            ahead = [u for u in ahead if not self.arrivals.launched[u] and self.arrivals.missing[u] > 0]
-        for u in ahead[:self.config.prefetch]:
-            self._gather(u, wait=False)
+    def _prefetch_after(self, order: list[int], position: dict[int, int], g: int, skip_done: bool = False) -> None:
+        """Start gathering the next `prefetch` units after g in `order` (position: unit -> index),
+        in backward skipping units whose gradients are already complete."""
+        wanted = self.config.prefetch
+        j = position.get(g, len(order)) + 1
+        while wanted and j < len(order):
+            u = order[j]
+            if not skip_done or (not self.arrivals.launched[u] and self.arrivals.missing[u] > 0):
+                self._gather(u, wait=False)
+                wanted -= 1
+            j += 1
 
     # --- forward: module hooks -------------------------------------------------------------------
     def _register_module_hooks(self, model: nn.Module, units) -> None:
@@ -147,7 +152,7 @@ class Stage3(Stage):
                     self.forward_order.append(g)
                 self._gather(g, wait=True)
                 if self.order_known and not self.in_backward:
-                    self._prefetch_after(self.forward_order, g)
+                    self._prefetch_after(self.forward_order, self.forward_position, g)
             self.users[g] += 1
 
     def _release(self, groups: list[int], output) -> None:
@@ -173,6 +178,8 @@ class Stage3(Stage):
         if not self.order_known:
             unused = [g for g in range(len(self.groups)) if g not in self.forward_order]
             self.arrivals.set_order(self.forward_order[::-1] + unused)
+            self.forward_position = {u: i for i, u in enumerate(self.forward_order)}
+            self.backward_position = {u: i for i, u in enumerate(self.arrivals.order)}
             self.order_known = True
 
     # --- backward --------------------------------------------------------------------------------
@@ -181,7 +188,7 @@ class Stage3(Stage):
         for g in groups:
             if not self.gathered[g] or g in self.pending_gather:
                 self._gather(g, wait=True)
-                self._prefetch_after(self.arrivals.order, g, skip_done=True)
+                self._prefetch_after(self.arrivals.order, self.backward_position, g, skip_done=True)
 
     def _on_grad(self, g: int, i: int, param: nn.Parameter) -> None:
         self.buckets.add(g, i, param.grad)
