@@ -171,7 +171,7 @@ def measure_stage(rank: int, world: int, run: RealRun, stage: int, device: str =
     out = {"stage": stage, "scheme": mm.PAPER_NAMES[stage], "world": world, "rank": rank, "device": device,
            "collectives": dist.get_backend(),
            "psi": run.shape.params, "losses": losses, "engine_states": report["params"] + report["grads"]
-           + report["optimizer_states"], "live": live, "init_peak": init_peak, "peak_fwd_bwd": peak_fb,
+           + report["optimizer_states"], "engine_comm_buffers": report["comm_buffers"], "live": live, "init_peak": init_peak, "peak_fwd_bwd": peak_fb,
            "peak_step": peak_step, "peak": max(peak_fb, peak_step),
            "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if cuda:
@@ -206,9 +206,10 @@ def compare(rows: list[dict], run: RealRun) -> list[dict]:
             "world": row["world"], "rank": row["rank"], "stage": row["stage"], "scheme": row["scheme"],
             "device": row["device"], "collectives": row["collectives"],
             "psi": row["psi"], "states_predicted": p["states"], "states_engine": row["engine_states"],
-            "states_live_tracker": row["live"],
+            "comm_buffers_engine": row["engine_comm_buffers"], "states_live_tracker": row["live"],
             "states_error_pct": 100 * (row["engine_states"] - p["states"]) / p["states"],
-            "live_vs_engine_pct": 100 * (row["live"] - row["engine_states"]) / row["engine_states"],
+            "live_vs_engine_pct": 100 * (row["live"] - row["engine_states"] - row["engine_comm_buffers"])
+            / (row["engine_states"] + row["engine_comm_buffers"]),
             "backward_start_predicted": p["backward_start"],
             "reductions_in_flight_predicted": p["reductions_in_flight"],
             "step_temporaries_predicted": p["step_temporaries"], "peak_predicted": p["peak"],

@@ -196,26 +196,29 @@ def write_report(out: Path, table1: pd.DataFrame, fig1: pd.DataFrame, bench: dic
               "## Real runs: predicted vs measured per-rank memory", "",
               f"Model {run.shape.label()} (Ψ = {run.shape.params:,}), vocab {run.vocab}, seq {run.seq}, batch "
               f"{run.batch} per rank, bf16, {run.steps} step(s), bucket {run.bucket_numel:,}, torch AdamW twin. "
-              "States: `memory_report()` after the step, and MemTracker's live bytes. Peak: MemTracker's peak "
+              "States: `memory_report()` after the step (params + grads + optimizer states; CB: its comm_buffers), "
+              "and MemTracker's live bytes (states and CB). Peak: MemTracker's peak "
               "during forward+backward and during the step, against the prediction of "
               "`experiments/memory_real_runs.py` (states + the largest phase: activations and gathered units at "
               "the start of backward, reductions in flight, optimizer temporaries).", "",
               f"Largest |peak error| {runs_err.max():.1f}% over {len(runs)} rank-runs; states exact within "
               f"{runs.states_error_pct.abs().max():.3f}%.", "",
-              "| collectives, device | world | rank | scheme | states predicted MB | engine MB | tracker MB | "
+              "| collectives, device | world | rank | scheme | states predicted MB | engine MB | CB MB | tracker MB | "
               "peak predicted MB | peak measured MB | error | max RSS MB | cuda max allocated MB |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in runs.sort_values(["collectives", "world", "stage", "rank"]).iterrows():
         cuda = _fmt(r.cuda_peak / 1e6 if pd.notna(r.cuda_peak) else None)
         lines.append(f"| {r.collectives}, {r.device} | {r.world} | {r['rank']} | {r.scheme} | "
-                     f"{r.states_predicted / 1e6:.2f} | {r.states_engine / 1e6:.2f} | {r.states_live_tracker / 1e6:.2f} | "
+                     f"{r.states_predicted / 1e6:.2f} | {r.states_engine / 1e6:.2f} | {r.comm_buffers_engine / 1e6:.2f} | "
+                     f"{r.states_live_tracker / 1e6:.2f} | "
                      f"{r.peak_predicted / 1e6:.2f} | {r.peak_measured / 1e6:.2f} | {r.peak_error_pct:+.1f}% | "
                      f"{r.max_rss / 1e6:.0f} | {cuda} |")
     lines += ["", "Allowances in the prediction, each a property of this implementation on CPU: the torch twin of "
-              "the fused AdamW allocates three fp32 temporaries per segment (stage 0 has one segment of Ψ: 12Ψ "
-              "bytes, 75% of its states); gloo's reduce-scatter copies its input while in flight, and stage 1 "
-              "waits for all of its buckets only at the end of backward (2Ψ bytes); max RSS also counts the "
-              "interpreter, torch and gloo and never falls, so it is shown but not compared.", ""]
+              "the fused AdamW allocates three fp32 temporaries per chunk of at most `bucket_numel` elements; "
+              "gloo's reduce-scatter copies its input while in flight (at most two in flight); stages 2-3 keep "
+              "their constant-size gradient buckets (CB) for reuse, reported by the engine as `comm_buffers` "
+              "and counted in the tracker's live bytes; max RSS also counts the interpreter, torch and gloo and "
+              "never falls, so it is shown but not compared.", ""]
     (out / "REPORT.md").write_text("\n".join(lines))
     return _headline(table1, fig1, bench, t2, runs)
 

@@ -39,7 +39,7 @@ class AwkwardNet(nn.Module):
             x = x + torch.utils.checkpoint.checkpoint(self.mlp, x, use_reentrant=False)
         else:
             x = x + self.mlp(x)
-        return self.head(self.norm(x) * self.gain)
+        return self.head(self.norm(x) * self.gain.to(x.dtype))   # the buffer keeps its own dtype
 
 
 def loss_fn(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

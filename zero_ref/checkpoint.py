@@ -14,11 +14,17 @@ any stage: each rank reads exactly the element ranges it now owns (resharding), 
 `consolidate` glues the pieces into full tensors with no process group. The low-precision
 parameters are not stored: they are the rounded masters, restored bit-exactly by rounding again.
 
+Saving copies every piece to host memory first (pinned on CUDA, so the device never holds a second
+copy of the optimizer state). Stages 0-2 also record the bucket order they learned, so a resumed run
+starts in it.
+
 Crash safety: shard files and the manifest are written under temporary names, fsynced and renamed;
 `latest` is replaced only after every rank's file and the manifest are complete. A save killed at
-any point leaves `latest` on the previous checkpoint. A load verifies the manifest (sealed by its
-own sha256, then checked field by field) and the size and sha256 of every file it reads before it
-changes anything in the engine.
+any point leaves `latest` on the previous checkpoint; a save that fails on one rank raises on every
+rank. A load runs in three phases: every rank verifies the manifest (sealed by its own sha256, then
+checked field by field) and the size and sha256 of every file it reads, and reads its pieces into
+host memory; all ranks vote; only if every rank succeeded does any rank apply what it read (in
+`_apply`, the one place that restores an engine's state). A failure anywhere changes nothing anywhere.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from safetensors.torch import save_file
 
 from .config import DTYPES
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 _FILE_RE = re.compile(r"^rank\d{5}\.safetensors$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -53,46 +59,78 @@ class CheckpointError(RuntimeError):
 def save_checkpoint(engine, root: str | os.PathLike, keep: int = 2) -> Path:
     """Write this engine's state under `root` (collective: every rank calls it). Returns the new
     checkpoint's folder. Older complete checkpoints beyond the newest `keep` are removed."""
-    if not engine.at_boundary:
-        raise CheckpointError("save_checkpoint must be called at an accumulation boundary (after engine.step())")
+    if engine.micro_step:
+        raise CheckpointError("save_checkpoint must be called between steps: backward has run since the last "
+                              "engine.step() (call step() or zero_grad() first)")
     comm, stage, optimizer = engine.comm, engine.stage, engine.stage.optimizer
     root = Path(root)
     tag = comm.all_gather_object(f"step{engine.global_step:08d}-{uuid.uuid4().hex[:8]}")[0]
     folder = root / tag
-    folder.mkdir(parents=True, exist_ok=True)
     names = _canonical_names(engine.module)
 
     tensors, pieces = {}, []
     if not (stage.replicated and comm.rank != 0):
-        for param, start, end, segment, offset in stage.owned_pieces():
+        for param, start, end, g, offset in stage.owned_pieces():
             name = names[id(param)]
             for kind, segments in zip(STATE_KINDS, (optimizer.masters, optimizer.exp_avgs, optimizer.exp_avg_sqs)):
-                tensors[f"{kind}/{name}/{start}"] = segments[segment][offset:offset + end - start].clone()
+                tensors[f"{kind}/{name}/{start}"] = _to_host(segments[g][offset:offset + end - start])
             pieces.append([name, start, end])
     if comm.rank == 0:
         for param in engine.frozen:
-            tensors[f"frozen/{names[id(param)]}"] = param.detach().float().clone()
+            tensors[f"frozen/{names[id(param)]}"] = _to_host(param.detach().float())
         for name, buffer in _persistent_buffers(engine.module):
-            tensors[f"buffer/{name}"] = buffer.detach().clone()
+            tensors[f"buffer/{name}"] = _to_host(buffer.detach())
     tensors["rng/cpu"] = torch.get_rng_state()
     if stage.device.type == "cuda":
         tensors["rng/cuda"] = torch.cuda.get_rng_state(stage.device)
+        torch.cuda.synchronize(stage.device)   # the pinned copies above are asynchronous
 
     path = folder / f"rank{comm.rank:05d}.safetensors"
-    _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"tag": tag, "rank": str(comm.rank)}))
-    file_info = {"rank": comm.rank, "file": path.name, "bytes": path.stat().st_size,
-                 "sha256": _sha256(path), "pieces": pieces}
-    files = comm.all_gather_object(file_info)
-    if comm.rank == 0:
-        manifest = _manifest(engine, names, files)
-        _atomic_write(folder / "manifest.json", lambda tmp: tmp.write_text(json.dumps(_seal(manifest), indent=1)))
-        _atomic_write(root / "latest", lambda tmp: tmp.write_text(tag))
-        _prune(root, keep, tag)
-    comm.all_gather_object(None)   # nobody returns before `latest` names the new checkpoint
+
+    def write() -> dict:
+        folder.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"tag": tag, "rank": str(comm.rank)}))
+        return {"rank": comm.rank, "file": path.name, "bytes": path.stat().st_size,
+                "sha256": _sha256(path), "pieces": pieces}
+
+    files = _together(comm, write, f"writing {path}")
+    order = stage.learned_order()
+
+    def finish() -> None:
+        if comm.rank == 0:
+            manifest = _manifest(engine, names, files, order)
+            _atomic_write(folder / "manifest.json", lambda tmp: tmp.write_text(json.dumps(_seal(manifest), indent=1)))
+            _atomic_write(root / "latest", lambda tmp: tmp.write_text(tag))
+            _prune(root, keep, tag)
+
+    _together(comm, finish, "writing the manifest")   # nobody returns before `latest` names it
     return folder
 
 
-def _manifest(engine, names: dict[int, str], files: list[dict]) -> dict:
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of `tensor` with its own storage (pinned and asynchronous from CUDA)."""
+    if tensor.device.type == "cuda":
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+    return tensor.clone()
+
+
+def _together(comm, work, what: str):
+    """Run `work()` on every rank, then let all ranks see every outcome: each rank's result, or a
+    CheckpointError on every rank naming the rank that failed and why."""
+    try:
+        outcome = ("ok", work())
+    except Exception as err:   # noqa: BLE001 - reported to every rank below
+        outcome = ("error", f"{type(err).__name__}: {err}")
+    everyone = comm.all_gather_object(outcome)
+    failed = [(rank, message) for rank, (status, message) in enumerate(everyone) if status == "error"]
+    if failed:
+        detail = "; ".join(f"rank {rank}: {message}" for rank, message in failed)
+        raise CheckpointError(f"{what} failed ({detail}); nothing was changed on any rank")
+    return [result for _, result in everyone]
+
+
+def _manifest(engine, names: dict[int, str], files: list[dict], order: list[int] | None) -> dict:
     aliases: dict[str, list[str]] = {}
     for name, param in engine.module.named_parameters(remove_duplicate=False):
         if name != names[id(param)]:
@@ -106,6 +144,7 @@ def _manifest(engine, names: dict[int, str], files: list[dict]) -> dict:
         "format_version": FORMAT_VERSION,
         "world_size": engine.comm.world_size, "stage": engine.config.stage, "dtype": engine.config.dtype,
         "global_step": engine.global_step, "optimizer_step": engine.stage.optimizer.step_count,
+        "param_steps": list(engine.stage.optimizer.param_steps),
         "skipped_steps": engine.skipped_steps, "scaler": engine.scaler.state_dict(),
         "config": {k: v for k, v in dataclasses.asdict(engine.config).items()},
         "params": [{"name": names[id(p)], "aliases": aliases.get(names[id(p)], []),
@@ -113,6 +152,7 @@ def _manifest(engine, names: dict[int, str], files: list[dict]) -> dict:
         "frozen": [{"name": names[id(p)], "shape": list(p.shape)} for p in engine.frozen],
         "buffers": [{"name": n, "shape": list(b.shape)} for n, b in _persistent_buffers(engine.module)],
         "state_keys": list(engine.module.state_dict(keep_vars=True).keys()),
+        "param_order": None if order is None else [names[id(trainable[k])] for k in order],
         "files": files, "hf": hf,
     }
 
@@ -127,54 +167,86 @@ def _prune(root: Path, keep: int, newest: str) -> None:
 
 
 # --- loading -------------------------------------------------------------------------------------
-def load_checkpoint(engine, path: str | os.PathLike) -> dict:
-    """Load a checkpoint's tensors (a root with `latest`, or one checkpoint folder) into this
-    engine's stage, at any world size and stage (collective: every rank calls it), and return the
-    manifest, whose counters the engine takes over. Nothing in the engine changes unless the whole
-    checkpoint verifies and reads."""
+def load_checkpoint(engine, path: str | os.PathLike) -> None:
+    """Load a checkpoint (a root with `latest`, or one checkpoint folder) into this engine, at any
+    world size and stage (collective: every rank calls it). Nothing in any rank's engine changes
+    unless every rank has verified and read all it needs."""
+    comm = engine.comm
+    read = _together(comm, lambda: _read(engine, path), f"loading checkpoint {path}")
+    digests = {r["digest"] for r in read}
+    if len(digests) > 1:
+        raise CheckpointError(f"ranks read different checkpoints at {path} (was `latest` replaced during the "
+                              "load?); nothing was changed on any rank")
+    _apply(engine, read[comm.rank])
+
+
+def _read(engine, path) -> dict:
+    """Phase 1, on this rank only: verify and read everything this rank needs into host memory."""
     folder = resolve(path)
     manifest = read_manifest(folder)
     names = _canonical_names(engine.module)
     _check_matches_model(manifest, engine, names)
-    comm, stage, optimizer = engine.comm, engine.stage, engine.stage.optimizer
+    comm, stage = engine.comm, engine.stage
+    order = None
+    if manifest["param_order"] is not None and stage.wants_order():
+        index = {name: k for k, name in enumerate(names[id(p)] for p in stage.trainable)}
+        order = [index[name] for name in manifest["param_order"]]   # validated: a permutation of them
+    planned = list(stage.planned_pieces(order))
 
     where = _piece_index(manifest)
-    mine = list(stage.owned_pieces())
     needed = {0} | ({comm.rank} if comm.rank < manifest["world_size"] else set())
-    for param, start, end, _, _ in mine:
+    for param, start, end, _, _ in planned:
         needed.update(r for s, e, r in where[names[id(param)]] if s < end and e > start)
     handles = {r: _open_verified(folder, manifest["files"][r]) for r in sorted(needed)}
     try:
-        writes = []   # (destination view, source tensor): applied only once everything has been read
-        segments = dict(zip(STATE_KINDS, (optimizer.masters, optimizer.exp_avgs, optimizer.exp_avg_sqs)))
-        for param, start, end, segment, offset in mine:
+        pieces = {}   # (id(param), start) -> {kind: tensor of the piece [start, end)}
+        for param, start, end, _, _ in planned:
             name = names[id(param)]
+            parts = {kind: torch.empty(end - start, dtype=torch.float32) for kind in STATE_KINDS}
             for s, e, r in where[name]:
                 lo, hi = max(start, s), min(end, e)
-                if lo >= hi:
-                    continue
-                for kind in STATE_KINDS:
-                    source = handles[r].get_slice(f"{kind}/{name}/{s}")[lo - s:hi - s]
-                    destination = segments[kind][segment][offset + lo - start:offset + hi - start]
-                    writes.append((destination, source))
-        for param in engine.frozen:
-            writes.append((param.data, handles[0].get_tensor(f"frozen/{names[id(param)]}")))
-        for name, buffer in _persistent_buffers(engine.module):
-            writes.append((buffer.data, handles[0].get_tensor(f"buffer/{name}")))
-        rng = handles[comm.rank].get_tensor("rng/cpu") if comm.rank in handles and comm.rank < manifest["world_size"] else None
+                if lo < hi:
+                    for kind in STATE_KINDS:
+                        parts[kind][lo - start:hi - start] = handles[r].get_slice(f"{kind}/{name}/{s}")[lo - s:hi - s]
+            pieces[(id(param), start)] = parts
+        frozen = [handles[0].get_tensor(f"frozen/{names[id(p)]}") for p in engine.frozen]
+        buffers = [handles[0].get_tensor(f"buffer/{name}") for name, _ in _persistent_buffers(engine.module)]
+        own = handles.get(comm.rank) if comm.rank < manifest["world_size"] else None
+        rng = {key: own.get_tensor(key) for key in own.keys() if key.startswith("rng/")} if own is not None else {}
     except Exception as err:   # a key or shape the verified manifest promised but the file lacks
         raise CheckpointError(f"checkpoint {folder} is inconsistent with its manifest: {err}") from err
+    return {"manifest": manifest, "digest": manifest["sha256"], "order": order, "pieces": pieces,
+            "frozen": frozen, "buffers": buffers, "rng": rng}
 
+
+def _apply(engine, read: dict) -> None:
+    """Phase 3, once every rank has read successfully: restore the engine's whole state."""
+    stage, optimizer, manifest = engine.stage, engine.stage.optimizer, read["manifest"]
+    if read["order"] is not None:
+        stage.adopt_order(read["order"])
+        optimizer = stage.optimizer
+    segments = dict(zip(STATE_KINDS, (optimizer.masters, optimizer.exp_avgs, optimizer.exp_avg_sqs)))
     with torch.no_grad():
-        for destination, source in writes:
-            destination.copy_(source.to(destination.dtype))
+        for param, start, end, g, offset in stage.owned_pieces():
+            for kind, source in read["pieces"][(id(param), start)].items():
+                segments[kind][g][offset:offset + end - start].copy_(source)
+        for param, source in zip(engine.frozen, read["frozen"]):
+            param.data.copy_(source.to(param.dtype))
+        for (_, buffer), source in zip(_persistent_buffers(engine.module), read["buffers"]):
+            buffer.data.copy_(source.to(buffer.dtype))
         stage.sync_params_from_master()
         stage.zero_grads()
-    if rng is not None:
-        torch.set_rng_state(rng)
+    if "rng/cpu" in read["rng"]:
+        torch.set_rng_state(read["rng"]["rng/cpu"])
+    if "rng/cuda" in read["rng"] and stage.device.type == "cuda":
+        torch.cuda.set_rng_state(read["rng"]["rng/cuda"], stage.device)
     optimizer.step_count = manifest["optimizer_step"]
-    comm.all_gather_object(None)
-    return manifest
+    optimizer.param_steps = list(manifest["param_steps"])
+    engine.global_step = manifest["global_step"]
+    engine._skipped_steps = manifest["skipped_steps"]
+    engine.scaler.load_state_dict(manifest["scaler"])
+    engine.micro_step = 0
+    stage.polluted = None
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -237,6 +309,11 @@ def validate_manifest(m: dict) -> None:
             isinstance(x, dict) and isinstance(x.get("name"), str) and isinstance(x.get("shape"), list)
             and all(count(d) for d in x["shape"]) for x in m[key]), key)
     need(isinstance(m.get("state_keys"), list) and all(isinstance(k, str) for k in m["state_keys"]), "state_keys")
+    steps = m.get("param_steps")
+    need(isinstance(steps, list) and len(steps) == len(numels) and all(count(n) for n in steps), "param_steps")
+    order = m.get("param_order", "missing")
+    need(order is None or (isinstance(order, list) and all(isinstance(n, str) for n in order)
+                           and sorted(order) == sorted(numels)), "param_order")
     files = m.get("files")
     need(isinstance(files, list) and len(files) == m["world_size"], "files")
     covered = {name: [] for name in numels}

@@ -188,12 +188,22 @@ def _run_consolidate(args) -> None:
     print(f"wrote {len(state)} tensors ({sum(t.numel() for t in state.values()):,} values) to {args.out}")
 
 
+def _plugin(name: str):
+    """A command registered by another package under the "zero_ref.commands" entry points (the
+    library itself never imports the experiments)."""
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group="zero_ref.commands") if ep.name == name]
+    if not found:
+        raise SystemExit(f"zero-ref {name}: no package provides this command; install the project with "
+                         "`pip install -e .` from its checkout")
+    return found[0].load()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["reproduce"]:   # the studies keep their own options: zero-ref reproduce --help
-        from experiments.reproduce import main as reproduce
-
-        reproduce(argv[1:])
+        _plugin("reproduce")(argv[1:])
         return
     parser = argparse.ArgumentParser(prog="zero-ref", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -1,9 +1,33 @@
-"""The collectives zero-ref calls, and the ledger that counts what they move.
+"""The collectives zero-ref calls, on separate channels, and the ledger that counts what they move.
 
-Every collective of the engine goes through `Comm`, which calls torch.distributed's functional API
-on one process group and records the elements moved per rank the way the paper counts them
-(Sec 7): an all-reduce of n elements moves 2n (it is a reduce-scatter plus an all-gather); a
-reduce-scatter or an all-gather of a full buffer of n elements moves n; a broadcast of n moves n.
+Collectives pair up across ranks by their position in each rank's sequence on one process group, so
+two sequences that may interleave differently on different ranks must not share a group. The engine
+therefore talks on up to three groups over the same ranks (its *channels*):
+
+    reduce    gradient reductions, and every other collective that moves model data
+    gather    stage 3's parameter gathers, which interleave with its reductions in an order that
+              depends on each rank's own backward (stages 0-2 use the reduce channel)
+    control   a few integers or small Python objects that keep the ranks in step: gather-schedule
+              rounds, votes, agreement checks. Always gloo on the CPU, so it never touches a GPU stream.
+
+The channel groups are created once per (parent group, backend, timeout) and shared by every engine
+on those ranks in the process (`_channel_groups`). Engines may share them because each rank issues
+the collectives of all its engines in one program order. They are not destroyed when an engine
+closes: torch names a new group over the same ranks after the number of live groups, so a group
+destroyed and created again gets its predecessor's name, finds that predecessor's rendezvous keys
+in the store and can fail to connect; they go with the parent group (`dist.destroy_process_group`).
+
+Backend and waits are chosen by the device the engine's tensors live on, not by the backend's name
+(a "cpu:gloo,cuda:nccl" group serves both). On the CPU (gloo) every collective is issued
+asynchronously and waited on for at most `timeout_s`, on groups created with that timeout, so a dead
+or stuck peer turns into a CollectiveError instead of a hang. On CUDA (NCCL) `wait()` only makes the
+current stream wait: the host never blocks, and the NCCL groups the engine creates carry `timeout_s`,
+after which NCCL's watchdog aborts a collective that a peer never joined.
+
+The ledger counts elements moved per rank the way the paper does (Sec 7): an all-reduce of n
+elements moves 2n (a reduce-scatter plus an all-gather); a reduce-scatter or an all-gather of a full
+buffer of n elements moves n; a broadcast of n moves n. Control messages (a few integers per pass)
+are not training traffic and are not counted.
 
 torch 2.13 renamed `reduce_scatter_tensor`/`all_gather_into_tensor` to `reduce_scatter_single`/
 `all_gather_single`; older releases (the GPU machine runs 2.11) only have the old names. The choice
@@ -12,6 +36,8 @@ is made once, here.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -28,8 +54,8 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 @dataclass
 class CommLedger:
     """Elements moved per rank, by collective kind: during the current step, the last finished step,
-    and since the engine was built. Collectives made outside training (state dicts, set-up) count
-    only in `cumulative`."""
+    and since the engine was built. Collectives made outside training (set-up, state dicts, layout
+    changes) count only in `cumulative`."""
 
     current: Counter = field(default_factory=Counter)
     last_step: Counter = field(default_factory=Counter)
@@ -59,8 +85,9 @@ class CollectiveError(RuntimeError):
 
 
 class Pending:
-    """A collective in flight. `wait()` blocks at most `timeout_s` seconds (None: no bound of our
-    own, the process group's timeout and watchdog apply), then raises CollectiveError."""
+    """A collective in flight. `wait()` blocks the host at most `timeout_s` seconds (gloo) or, with
+    `timeout_s=None` (NCCL), only makes the current CUDA stream wait; a failure becomes a
+    CollectiveError naming the collective."""
 
     def __init__(self, work, what: str, rank: int, timeout_s: float | None):
         self.work, self.what, self.rank, self.timeout_s = work, what, rank, timeout_s
@@ -77,32 +104,122 @@ class Pending:
                 f"rank {self.rank}: {self.what} did not complete{bound}: another rank has probably died, "
                 f"raised, or diverged ({str(err).splitlines()[0][:300]})") from err
 
+    def done(self) -> bool:
+        """True once the collective has finished (never blocks)."""
+        return self.work.is_completed()
+
+
+class SideStream:
+    """A CUDA stream beside the compute stream for communication and the work that follows it; on
+    the CPU every method is a no-op, so callers read the same on both."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def after_current(self):
+        """Run the block on the side stream, after everything already queued on the current one."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    @contextlib.contextmanager
+    def on(self):
+        """Run the block on the side stream (ordered after earlier side-stream work only)."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def wait_event(self, event) -> None:
+        """Make the side stream wait for `event` (a no-op for None)."""
+        if self.stream is not None and event is not None:
+            self.stream.wait_event(event)
+
+    def join(self) -> None:
+        """Make the current stream wait for everything queued on the side stream so far."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+    def record_event(self):
+        """An event marking the side stream's progress now (None on the CPU)."""
+        return None if self.stream is None else self.stream.record_event()
+
+
+_CHANNELS: dict[tuple, tuple] = {}
+"""(id of the parent group, data backend, timeout) -> (parent group, [reduce, gather, control])."""
+atexit.register(_CHANNELS.clear)   # release the groups while the interpreter is whole, not during teardown
+
+
+def _channel_groups(parent: dist.ProcessGroup | None, backend: str, timeout_s: float) -> list[dist.ProcessGroup]:
+    """The reduce, gather and control groups over the ranks of `parent` (see the module docstring):
+    created by the first engine on those ranks, shared by the later ones. Every rank of `parent`
+    creates them at the same point, its first initialize with these settings."""
+    parent = parent if parent is not None else dist.group.WORLD
+    key = (id(parent), backend, timeout_s)
+    if key not in _CHANNELS:
+        ranks = dist.get_process_group_ranks(parent)
+        timeout = timedelta(seconds=timeout_s)
+        groups = [dist.new_group(ranks, timeout=timeout, backend=kind, use_local_synchronization=True)
+                  for kind in (backend, backend, "gloo")]
+        _CHANNELS[key] = (parent, groups)   # holding the parent keeps its id from being reused
+    return _CHANNELS[key][1]
+
+
+def backend_for(group: dist.ProcessGroup | None, device: torch.device) -> str:
+    """The backend `group` uses for tensors on `device` ("gloo", "nccl", "fake", ...), or a
+    ValueError saying why the group cannot serve that device."""
+    config = dist.get_backend_config(group) if hasattr(dist, "get_backend_config") else dist.get_backend(group)
+    per_device = {}
+    for part in str(config).split(","):
+        kind, _, name = part.partition(":")
+        if name:
+            per_device[kind.strip()] = name.strip()
+        else:   # a bare backend name serves the device types it supports
+            per_device = {"cpu": kind.strip(), "cuda": kind.strip()}
+    if "fake" in per_device.values():   # the at-scale studies: any device, meta included
+        return "fake"
+    name = per_device.get(device.type)
+    supported = {"cpu": ("gloo", "fake"), "cuda": ("nccl", "fake")}
+    if name not in supported.get(device.type, ()):
+        raise ValueError(f"the process group ({config}) cannot run collectives on {device.type} tensors: the model "
+                         f"is on {device}; use a group whose {device.type} backend is one of "
+                         f"{supported.get(device.type, ())} (e.g. init_process_group('gloo') for CPU models, "
+                         "'nccl' or 'cpu:gloo,cuda:nccl' for CUDA models)")
+    return name
+
 
 class Comm:
-    """Collectives on one process group, each counted in the ledger.
+    """Collectives of one engine over the ranks of `group` on `device`, each counted in the ledger.
 
-    No collective may hang for ever: on gloo, the engine talks on its own process group over the
-    same ranks, created with `timeout_s`, so that gloo itself abandons any collective (synchronous
-    or not) that a dead or stuck peer never joins; and every collective is issued asynchronously
-    and waited on through `Pending`, which turns the failure into a CollectiveError naming the
-    collective. On NCCL the given group is used as it is and its own timeout and watchdog apply.
-    With `async_op=True` the caller gets the `Pending` handle to wait on later; otherwise the call
-    waits before returning. Reductions average over the group (ReduceOp.AVG), as DDP averages
-    gradients.
+    `gather_channel=True` gives parameter gathers their own group (stage 3). Reductions average over the group (ReduceOp.AVG), as DDP
+    averages gradients. With `async_op=True` a call returns the `Pending` handle to wait on later;
+    otherwise it waits before returning.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger, timeout_s: float | None = 300.0):
+    def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger, device: torch.device,
+                 timeout_s: float = 300.0, gather_channel: bool = False):
         self.ledger = ledger
+        self.device = device
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        backend = dist.get_backend(group)
-        self.timeout_s = None if backend == "nccl" else timeout_s
-        if self.timeout_s is not None and backend == "gloo":   # not NCCL, not the fake test backend
-            ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-            group = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s), backend="gloo",
-                                   use_local_synchronization=True)
-        self.group = group
+        self.backend = backend_for(group, device)
+        self.timeout_s = timeout_s if device.type == "cpu" else None   # NCCL: never block the host
+        self.control_timeout_s = timeout_s                                # control: always gloo
+        if self.backend == "fake":   # the at-scale studies: one fake group serves every channel
+            self.reduce_group = self.gather_group = self.control_group = group
+        else:
+            data = "gloo" if device.type == "cpu" else str(dist.get_backend_config(group))
+            self.reduce_group, self.gather_group, self.control_group = _channel_groups(group, data, timeout_s)
+            if not gather_channel:
+                self.gather_group = self.reduce_group
+        self.reduce_stream = SideStream(device)   # where reductions are waited on and followed up
 
+    # --- data collectives ---------------------------------------------------------------------------
     def _issue(self, work, what: str, async_op: bool) -> Pending | None:
         pending = Pending(work, what, self.rank, self.timeout_s)
         if async_op:
@@ -110,42 +227,51 @@ class Comm:
         pending.wait()
         return None
 
-    def global_rank(self, group_rank: int) -> int:
-        """The rank in the default group of this group's rank `group_rank` (for src arguments)."""
-        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+    def _global(self, group, group_rank: int) -> int:
+        return dist.get_global_rank(group, group_rank) if group is not None else group_rank
 
-    def all_reduce_avg(self, tensor: torch.Tensor, async_op: bool = False, in_step: bool = True):
+    def all_reduce(self, tensor: torch.Tensor, op: str = "avg", async_op: bool = False, in_step: bool = True):
+        """Average (op="avg") or sum (op="sum") `tensor` over the group, in place."""
         self.ledger.record("all_reduce", 2 * tensor.numel(), in_step)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        reduce_op = dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM
+        work = dist.all_reduce(tensor, op=reduce_op, group=self.reduce_group, async_op=True)
         return self._issue(work, f"all_reduce of {tensor.numel()} elements", async_op)
 
-    def all_reduce_sum(self, tensor: torch.Tensor, in_step: bool = True) -> None:
-        self.ledger.record("all_reduce", 2 * tensor.numel(), in_step)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        self._issue(work, f"all_reduce of {tensor.numel()} elements", async_op=False)
-
-    def reduce_scatter_avg(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False):
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False):
         """Average `full` (identical shape on every rank) over the group; rank r receives chunk r of
-        the result in `output`. `output` may be rank r's own chunk of `full` (in place)."""
+        the result in `output`, which may be rank r's own chunk of `full` (in place)."""
         self.ledger.record("reduce_scatter", full.numel())
-        work = _reduce_scatter(output, full, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        work = _reduce_scatter(output, full, op=dist.ReduceOp.AVG, group=self.reduce_group, async_op=True)
         return self._issue(work, f"reduce_scatter of {full.numel()} elements", async_op)
 
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
-                   in_step: bool = True):
-        """Concatenate every rank's `shard` into `full`; `shard` may be this rank's chunk of `full`."""
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False, in_step: bool = True,
+                   channel: str = "reduce"):
+        """Concatenate every rank's `shard` into `full`; `shard` may be this rank's chunk of `full`.
+        `channel="gather"` issues it on the gather channel (stage 3's parameter gathers)."""
         self.ledger.record("all_gather", full.numel(), in_step)
-        work = _all_gather(full, shard, group=self.group, async_op=True)
+        group = self.gather_group if channel == "gather" else self.reduce_group
+        work = _all_gather(full, shard, group=group, async_op=True)
         return self._issue(work, f"all_gather of {full.numel()} elements", async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0, in_step: bool = True) -> None:
         """Broadcast from group rank `src_rank`."""
         self.ledger.record("broadcast", tensor.numel(), in_step)
-        work = dist.broadcast(tensor, src=self.global_rank(src_rank), group=self.group, async_op=True)
+        work = dist.broadcast(tensor, src=self._global(self.reduce_group, src_rank), group=self.reduce_group,
+                              async_op=True)
         self._issue(work, f"broadcast of {tensor.numel()} elements", async_op=False)
 
+    # --- control messages ---------------------------------------------------------------------------
+    def exchange(self, values: list[int]) -> list[list[int]]:
+        """Every rank's list of `len(values)` integers (the same length on every rank), in rank order.
+        A fake group returns this rank's values for every rank."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        gathered = mine.repeat(self.world_size)
+        work = _all_gather(gathered, mine, group=self.control_group, async_op=True)
+        Pending(work, "control exchange", self.rank, self.control_timeout_s).wait()
+        return gathered.view(self.world_size, len(values)).tolist()
+
     def all_gather_object(self, obj) -> list:
-        """Python objects from every rank (set-up checks only; not counted as training traffic)."""
+        """Python objects from every rank, on the control channel (not counted as training traffic)."""
         gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self.group)
+        dist.all_gather_object(gathered, obj, group=self.control_group)
         return gathered

@@ -16,6 +16,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STAGES = (0, 1, 2, 3)
 KERNELS = ("auto", "triton", "torch")
 NONFINITE = ("error", "skip")
+REDUCE_DTYPES = ("fp32",)
 
 #: What each stage shards, in the paper's words (Rajbhandari et al., SC20, Sec 5).
 STAGE_NAMES = {0: "baseline DP", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
@@ -39,6 +40,11 @@ class ZeroConfig:
             paper's CB). A single parameter larger than this gets a bucket of its own.
         overlap: run the reduction of a bucket asynchronously while backward continues.
         prefetch: stage 3 only: how many parameter units to gather ahead of the one in use.
+        reduce_dtype: None (reduce and accumulate gradients in `dtype`) or "fp32": gradients are
+            accumulated across micro-batches and reduced across ranks in fp32 (FSDP's reduce_dtype),
+            at twice the gradient bytes and traffic of bf16/fp16.
+        cast_buffers: also cast floating-point buffers to `dtype`. By default buffers keep their own
+            dtype (a RoPE `inv_freq` or BatchNorm statistics stay fp32); parameters always take `dtype`.
         kernels: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch" for the optimizer step.
         broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before each
             forward, as DDP does, so that non-parameter state stays consistent across ranks.
@@ -63,6 +69,8 @@ class ZeroConfig:
     bucket_numel: int = 2**22
     overlap: bool = True
     prefetch: int = 1
+    reduce_dtype: str | None = None
+    cast_buffers: bool = False
     kernels: str = "auto"
     broadcast_buffers: bool = True
     nonfinite: str = "error"
@@ -91,6 +99,9 @@ class ZeroConfig:
         _check(isinstance(self.overlap, bool), "overlap", self.overlap, "True or False")
         _check(isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool) and self.prefetch >= 0,
                "prefetch", self.prefetch, "an integer >= 0")
+        _check(self.reduce_dtype is None or self.reduce_dtype in REDUCE_DTYPES, "reduce_dtype", self.reduce_dtype,
+               f"None (the model dtype) or {', '.join(map(repr, REDUCE_DTYPES))}")
+        _check(isinstance(self.cast_buffers, bool), "cast_buffers", self.cast_buffers, "True or False")
         _check(self.kernels in KERNELS, "kernels", self.kernels, f"one of {', '.join(map(repr, KERNELS))}")
         _check(isinstance(self.broadcast_buffers, bool), "broadcast_buffers", self.broadcast_buffers,
                "True or False")
@@ -109,6 +120,11 @@ class ZeroConfig:
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype of parameters and gradients."""
         return DTYPES[self.dtype]
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype gradients are accumulated and reduced in."""
+        return DTYPES[self.reduce_dtype or self.dtype]
 
     def replace(self, **changes) -> "ZeroConfig":
         """A copy with some fields changed (validated again)."""

@@ -1,14 +1,40 @@
 """initialize() and ZeroEngine: forward, backward and step for any stage.
 
-The engine is the only place that knows the order of a training step; the stage files know what is
-sharded and what moves. A step at an accumulation boundary is:
+Vocabulary (every file uses these words exactly so):
 
-    out = engine(batch)      cast floating inputs to the model dtype, (stage 3: gather as needed)
+    parameter  a trainable nn.Parameter of the model (frozen ones stay whole on every rank)
+    group      parameters laid back to back in one flat buffer, padded to a multiple of Nd: what is
+               sharded and communicated as one piece. Stages 0-2 call their groups buckets,
+               stage 3 calls them units:
+    bucket     (stages 0-2) a group of at most `bucket_numel` elements, packed in the order
+               backward produces gradients: the paper's constant-size buffer (CB), reduced as soon
+               as its gradients are complete
+    unit       (stage 3) the parameters of one module subtree, gathered before it runs and freed
+               after
+    shard      rank r's 1/Nd of a group's flat buffer
+    segment    what this rank's optimizer updates of one group: its shard (stages 1-3) or the whole
+               group (stage 0); masters, moments and gradient segments are aligned lists
+    piece      the part of one parameter inside one segment (checkpoints store pieces)
+
+The engine is the only place that knows the order of a training step; the stage files know what is
+sharded and what moves. The step contract:
+
+    out = engine(batch)      the model's forward (floating inputs cast to the model dtype)
     engine.backward(loss)    backward of loss * loss_scale / grad_accum_steps; the stage reduces
-                             gradients during it and has finished when this returns
-    engine.step()            global norm (one scalar all-reduce when gradients are sharded), fp16
-                             overflow check (skip on every rank alike), clip, fused AdamW on this
-                             rank's fp32 master segments, regather, clear gradients
+                             gradients during it (stages 0-1: only on the step's last micro-batch)
+    engine.step()            at a step boundary: gradient norm (one pass, one scalar all-reduce when
+                             gradients are sharded, one host sync), fp16 overflow check (skip on
+                             every rank alike), clip, fused AdamW on this rank's segments, regather,
+                             clear gradients. True when the parameters changed.
+
+* A step boundary is reached after a multiple of `grad_accum_steps` backwards since the last update;
+  `step()` elsewhere (mid-accumulation, or with no backward since the last step) does nothing and
+  returns False, so calling it twice never updates twice.
+* Several backwards before a step accumulate, at every stage alike: the update uses the sum of
+  their gradients, as torch's optimizers do.
+* A bare `loss.backward()` reaches the engine's gradient hooks outside `engine.backward` and
+  raises RuntimeError there (it would skip the loss scale and the reductions); the engine then
+  refuses to step until `engine.zero_grad()` discards the gradients accumulated since the last step.
 """
 
 from __future__ import annotations
@@ -31,17 +57,18 @@ from .stage2 import Stage2
 from .stage3 import Stage3
 from .stage_base import Stage
 
-MEMORY_CATEGORIES = ("params", "grads", "optimizer_states", "buffers")
+MEMORY_CATEGORIES = ("params", "grads", "optimizer_states", "buffers", "comm_buffers")
 
 
 def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.ProcessGroup | None = None
                ) -> "ZeroEngine":
     """Take ownership of `model` and return the engine that trains it under `config`.
 
-    The model is converted (to `config.dtype`) and partitioned in place: its Parameter objects are
-    kept, but their storage becomes views of the stage's flat buffers (stage 3: freed until used),
-    so no second full copy stays alive. Rank 0's values are broadcast first, so every rank starts
-    from the same model. `process_group` defaults to the default group; world size 1 works.
+    The model is converted (parameters to `config.dtype`) and partitioned in place: its Parameter
+    objects are kept, but their storage becomes views of the stage's flat buffers (stage 3: freed
+    until used), so no second full copy stays alive. Rank 0's values are broadcast first, so every
+    rank starts from the same model. `process_group` defaults to the default group; world size 1
+    works. Every rank of the group must call it.
     """
     if not isinstance(config, ZeroConfig):
         raise TypeError(f"config must be a zero_ref.ZeroConfig, got {type(config).__name__}")
@@ -58,124 +85,173 @@ class ZeroEngine:
     """Trains one model with ZeRO stage `config.stage` over a data-parallel process group.
 
     Attributes: `module` (the model), `config`, `global_step` (updates applied), `loss_scale`,
-    `skipped_steps` (non-finite gradients: fp16 overflows, or nonfinite="skip").
+    `skipped_steps` (non-finite gradients: fp16 overflows, or nonfinite="skip"). Usable as a
+    context manager that `close()`s it.
     """
 
     def __init__(self, model: nn.Module, config: ZeroConfig, process_group: dist.ProcessGroup | None):
         self.module = model
         self.config = config
-        self.ledger = CommLedger()
-        self.comm = Comm(process_group, self.ledger, config.comm_timeout_s)
         self.dtype = config.torch_dtype
         params = list(model.parameters())
         devices = {p.device for p in params} | {b.device for b in model.buffers()}
         if len(devices) > 1:
             raise ValueError(f"the model's tensors must all be on one device, found {sorted(map(str, devices))}")
-        _check_same_model_everywhere(model, self.comm)
-
-        with torch.no_grad():
-            self.frozen = [p for p in params if not p.requires_grad]
-            for tensor in [*self.frozen, *model.buffers()]:
-                if tensor.is_floating_point():
-                    tensor.data = tensor.data.to(self.dtype)
-            for tensor in [*params, *model.buffers()]:   # every rank starts from rank 0's model
-                if self.comm.world_size > 1:
-                    self.comm.broadcast(tensor.data, 0, in_step=False)
-        trainable = [p for p in params if p.requires_grad]
-        self.stage: Stage = _make_stage(model, trainable, config, self.comm)
+        device = devices.pop() if devices else torch.device("cpu")
+        self.ledger = CommLedger()
+        self.comm = Comm(process_group, self.ledger, device, config.comm_timeout_s, gather_channel=config.stage == 3)
+        self.closed = False
+        try:
+            _check_same_model_everywhere(model, self.comm)
+            with torch.no_grad():
+                self.frozen = [p for p in params if not p.requires_grad]
+                cast = [*self.frozen, *(model.buffers() if config.cast_buffers else ())]
+                for tensor in cast:
+                    if tensor.is_floating_point():
+                        tensor.data = tensor.data.to(self.dtype)
+                if self.comm.world_size > 1:   # every rank starts from rank 0's model
+                    for tensor in [*params, *model.buffers()]:
+                        self.comm.broadcast(tensor.data, 0, in_step=False)
+            trainable = [p for p in params if p.requires_grad]
+            self.stage: Stage = _make_stage(model, trainable, config, self.comm)
+        except BaseException:
+            self.closed = True
+            raise
         self.scaler = LossScaler(enabled=self.dtype == torch.float16, scale=config.initial_loss_scale,
                                  growth_interval=config.loss_scale_growth_interval,
                                  min_scale=config.min_loss_scale)
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
-        self.micro_step = 0
+        self.micro_step = 0   # backwards since the last step
         self.global_step = 0
         self._skipped_steps = 0
 
     # --- the training step -----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         """The model's forward. Floating-point tensor inputs are cast to the model dtype."""
+        self._check_open()
         if self.config.broadcast_buffers and self.comm.world_size > 1:
             for buffer in self._float_buffers:
                 self.comm.broadcast(buffer.data, 0)
         cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         args, kwargs = tree_map(cast, (args, kwargs))
-        self.stage.pre_forward()
-        try:
+        with self.stage.forward_context():
             return self.module(*args, **kwargs)
-        finally:
-            self.stage.post_forward()
 
     forward = __call__
 
     @property
     def at_boundary(self) -> bool:
-        """True when the last backward completed a step's worth of micro-batches."""
-        return self.micro_step % self.config.grad_accum_steps == 0
+        """True when the backwards since the last step complete a step (a positive multiple of
+        grad_accum_steps)."""
+        return self.micro_step > 0 and self.micro_step % self.config.grad_accum_steps == 0
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` (scaled by the fp16 loss scale and 1 / grad_accum_steps). At an
-        accumulation boundary, every gradient reduction of the step has finished on return."""
+        """Backward of `loss` (scaled by the fp16 loss scale and 1 / grad_accum_steps). At a step
+        boundary every gradient reduction of the step has finished on return."""
+        self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects the scalar loss tensor of this micro-batch")
+        self._check_clean()
         self.micro_step += 1
         boundary = self.at_boundary
-        self.stage.begin_backward(boundary)
-        (loss * (self.scaler.scale / self.config.grad_accum_steps)).backward()
-        self.stage.end_backward(boundary)
+        stage = self.stage
+        stage.in_backward = True
+        try:
+            stage.begin_backward(boundary)
+            with stage.backward_context():
+                (loss * (self.scaler.scale / self.config.grad_accum_steps)).backward()
+            stage.end_backward(boundary)
+        except BaseException as err:   # some gradients may be in, some reductions not: refuse to step
+            stage.polluted = stage.polluted or (
+                f"engine.backward raised {type(err).__name__}: the gradients since the last step are "
+                "incomplete; engine.zero_grad() discards them")
+            raise
+        finally:
+            stage.in_backward = False
 
     @torch.no_grad()
     def step(self) -> bool:
-        """Apply the update if the last backward was at an accumulation boundary.
-
-        Returns True when parameters were updated, False when there was nothing to do (mid
-        accumulation) or the step was skipped because an fp16 gradient overflowed.
-        """
-        if self.micro_step == 0 or not self.at_boundary:
+        """Apply the update if the backwards since the last step complete one (see the contract in
+        the module docstring). Returns True when parameters were updated; False when there was
+        nothing to do or the step was skipped (non-finite gradients)."""
+        self._check_open()
+        self._check_clean()
+        if not self.at_boundary:
             return False
-        grads = self.stage.grad_segments()
-        optimizer = self.stage.optimizer
-        # The global gradient norm: one pass over this rank's gradients and, when they are sharded,
-        # one scalar all-reduce. It also tells every rank alike whether any gradient is non-finite.
-        sum_sq = optimizer.local_sum_of_squares(grads)
-        if self.stage.grads_sharded and self.comm.world_size > 1:
-            self.comm.all_reduce_sum(sum_sq)
-        norm = math.sqrt(sum_sq.item()) / self.scaler.scale
-        if not math.isfinite(norm):
-            if not self.scaler.enabled and self.config.nonfinite == "error":
-                self.stage.zero_grads()
-                raise FloatingPointError(
-                    f"non-finite gradient norm at step {self.global_step + 1} (ZeroConfig.nonfinite='error'; "
-                    "set nonfinite='skip' to skip such steps)")
-            self._finish_step(updated=False)
-            return False
+        stage, optimizer = self.stage, self.stage.optimizer
+        grads = stage.grad_segments()
+        # [sum of squares, non-finite flag, one 0/1 per parameter: did it get a gradient?], summed
+        # over the ranks in one small all-reduce (gradients replicated on every rank, stage 0: only
+        # rank 0's statistics enter the sum), then read on the host: the step's one sync.
+        stats = torch.cat([optimizer.grad_stats(grads), stage.used_mask()])
+        if self.comm.world_size > 1:
+            if not stage.grads_sharded and self.comm.rank != 0:
+                stats[:2] = 0
+            self.comm.all_reduce(stats, "sum")
+        sum_sq, nonfinite, *used = stats.tolist()
+        if nonfinite:
+            return self._skip_step()
+        if not math.isfinite(sum_sq):        # finite gradients whose squares overflow fp32
+            total = optimizer.sum_of_squares_fp64(grads)
+            if stage.grads_sharded and self.comm.world_size > 1:
+                self.comm.all_reduce(total, "sum")
+            sum_sq = total.item()
         grad_scale = 1.0 / self.scaler.scale
         if self.config.grad_clip is not None:
+            norm = math.sqrt(sum_sq) / self.scaler.scale
             grad_scale *= min(1.0, self.config.grad_clip / (norm + 1e-6))
-        optimizer.step(grads, self.stage.low_precision_segments(), grad_scale)
-        self.stage.after_update()
-        self._finish_step(updated=True)
+        optimizer.step(grads, grad_scale, [u > 0 for u in used], stage.segment_updated)
+        stage.after_update()
+        self._clear_step()
+        self.scaler.update(found_overflow=False, step=self.global_step + self._skipped_steps + 1)
+        self.global_step += 1
         return True
 
-    def _finish_step(self, updated: bool) -> None:
+    def _skip_step(self) -> bool:
+        """Non-finite gradients on some rank (the same decision on every rank): change nothing."""
+        number = self.global_step + self._skipped_steps + 1
+        self._clear_step()
+        self._skipped_steps += 1
+        if self.scaler.enabled:
+            self.scaler.update(found_overflow=True, step=number)   # raises at min_loss_scale
+        elif self.config.nonfinite == "error":
+            raise FloatingPointError(
+                f"non-finite gradient at step {number} (ZeroConfig.nonfinite='error'; set nonfinite='skip' "
+                "to skip such steps)")
+        return False
+
+    def _clear_step(self) -> None:
         self.stage.zero_grads()
-        self.scaler.update(found_overflow=not updated)
+        self.micro_step = 0
         self.ledger.close_step()
-        self.global_step += int(updated)
-        self._skipped_steps += int(not updated)
+
+    def zero_grad(self) -> None:
+        """Discard the gradients accumulated since the last step (also after a bare loss.backward())."""
+        self._check_open()
+        self.stage.zero_grads()
+        self.stage.polluted = None
+        self.micro_step = 0
+
+    def _check_clean(self) -> None:
+        if self.stage.polluted:
+            raise RuntimeError(self.stage.polluted)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this ZeroEngine was closed: its hooks and process groups are gone")
 
     # --- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self, path, keep: int = 2):
         """Write a sharded checkpoint under the folder `path` (every rank calls it; see checkpoint.py).
         Returns the new checkpoint's folder; `path/latest` names it once it is complete."""
+        self._check_open()
         return checkpoint.save_checkpoint(self, path, keep)
 
     def load_checkpoint(self, path) -> None:
-        """Load a checkpoint written at any world size and stage (every rank calls it)."""
-        manifest = checkpoint.load_checkpoint(self, path)
-        self.global_step = manifest["global_step"]
-        self._skipped_steps = manifest["skipped_steps"]
-        self.scaler.load_state_dict(manifest["scaler"])
-        self.micro_step = 0
+        """Load a checkpoint written at any world size and stage (every rank calls it). Every rank
+        verifies what it reads, then all vote: a failure anywhere changes nothing anywhere."""
+        self._check_open()
+        checkpoint.load_checkpoint(self, path)
 
     # --- inspection ------------------------------------------------------------------------------
     @property
@@ -187,34 +263,44 @@ class ZeroEngine:
         """Steps skipped because a gradient was non-finite (fp16 overflow, or nonfinite='skip')."""
         return self._skipped_steps
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """{name: fp32 tensor of full shape} for every parameter (a tied weight under each of its
-        names) plus persistent buffers, from the fp32 master weights; identical on every rank.
-        Collective: every rank of the group must call it."""
+    def full_state_dict(self, rank0_only: bool = False, device: str | torch.device = "cpu"
+                        ) -> dict[str, torch.Tensor]:
+        """{name: fp32 tensor of full shape on `device`} for every parameter (a tied weight under each
+        of its names) plus persistent buffers, from the fp32 master weights. Collective: every rank
+        calls it. Groups are gathered one at a time, so the engine's device holds at most one full
+        group beyond its shards; with `rank0_only` the other ranks return {} and hold no copy."""
+        self._check_open()
+        device = torch.device(device)
+        keep = not rank0_only or self.comm.rank == 0
         names = defaultdict(list)
         for name, param in self.module.named_parameters(remove_duplicate=False):
             names[id(param)].append(name)
         values: dict[str, torch.Tensor] = {}
         for g, group in enumerate(self.stage.groups):
             full = self.stage.full_master(g)
-            for param, start, end in group.param_ranges():
-                value = full[start:end].view(param.shape).clone()
-                for name in names[id(param)]:
-                    values[name] = value
+            if keep:
+                for param, start, end in group.param_ranges():
+                    value = full[start:end].view(param.shape).to(device, copy=True)
+                    for name in names[id(param)]:
+                        values[name] = value
+        if not keep:
+            return {}
         for param in self.frozen:
             for name in names[id(param)]:
-                values[name] = param.detach().float().clone()
-        state_keys = self.module.state_dict(keep_vars=True)
+                values[name] = param.detach().float().to(device, copy=True)
         out = {}
-        for key, tensor in state_keys.items():
+        for key, tensor in self.module.state_dict(keep_vars=True).items():
             if key in values:
                 out[key] = values[key]
             else:   # a persistent buffer
-                out[key] = tensor.detach().float().clone() if tensor.is_floating_point() else tensor.detach().clone()
+                tensor = tensor.detach()
+                out[key] = (tensor.float() if tensor.is_floating_point() else tensor).to(device, copy=True)
         return out
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of live tensor storage on this rank by category (each storage counted once)."""
+        """Bytes of live tensor storage on this rank by category (each storage counted once):
+        params, grads, optimizer_states (the paper's model states), buffers (the model's), and
+        comm_buffers (constant-size gradient buckets kept for reuse: the paper's CB)."""
         tensors = self.stage.memory_tensors()
         tensors["params"] = [*tensors["params"], *self.frozen]
         tensors["buffers"] = list(self.module.buffers())
@@ -235,6 +321,23 @@ class ZeroEngine:
         """Elements moved per rank by collective kind, for the last step and cumulatively, counted
         as the paper counts (all-reduce of n: 2n; reduce-scatter or all-gather of n: n)."""
         return self.ledger.stats()
+
+    # --- release ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove every hook the engine registered and give its communication channels back (they
+        are shared with the other engines on the same ranks, see comm.py). The model keeps its
+        parameters (stage 3: their storage stays freed; take full_state_dict() first). Any method
+        but close then raises. Closing twice is a no-op."""
+        if self.closed:
+            return
+        self.stage.close()
+        self.closed = True
+
+    def __enter__(self) -> "ZeroEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _make_stage(model: nn.Module, trainable: list[nn.Parameter], config: ZeroConfig, comm: Comm) -> Stage:

@@ -11,7 +11,9 @@ Every stage works on groups:
 - stage 3 makes one group per module unit (see stage3.py), the granularity of its gathers.
 
 A rank's shard of the whole model is the concatenation of its shards of every group, in group
-order; `GroupLayout` says where each group's shard starts in that concatenation.
+order; `GroupLayout` says where each group's shard starts in that concatenation. `move_state`
+carries such per-rank state from one layout to another (stages 0-2 repack their buckets once they
+have seen the order in which backward produces gradients).
 """
 
 from __future__ import annotations
@@ -128,3 +130,32 @@ def flatten_params(layout: GroupLayout, dtype: torch.dtype, device: torch.device
         copy_params_into(group, layout.full_slice(flat, g), flatten_)
         bind_params_to(group, layout.full_slice(flat, g))
     return flat
+
+
+def move_state(comm, old: GroupLayout, new: GroupLayout, old_flat: torch.Tensor, new_flat: torch.Tensor,
+               sharded: bool) -> None:
+    """Copy a rank's flat state from layout `old` into layout `new` (same parameters, other groups).
+
+    `sharded=False`: the flats hold every group whole (stage 0's state, full gradient buffers), and
+    the copy is local. `sharded=True`: they hold this rank's shard of every group; each old group is
+    all-gathered in turn (a transient of one group, counted outside the training step) and this
+    rank keeps the pieces that fall into its new shards.
+    """
+    where = {id(p): (g, offset) for g, group in enumerate(new.groups) for p, offset in zip(group.params, group.offsets)}
+    for g, group in enumerate(old.groups):
+        if sharded:
+            full = torch.empty(group.padded_numel, dtype=old_flat.dtype, device=old_flat.device)
+            comm.all_gather(full, old.shard_slice(old_flat, g), in_step=False)
+        else:
+            full = old.full_slice(old_flat, g)
+        for param, start, end in group.param_ranges():
+            ng, offset = where[id(param)]
+            if sharded:
+                lo, hi = new.groups[ng].shard_range(comm.rank)
+                segment = new.shard_slice(new_flat, ng)
+            else:
+                lo, hi = 0, new.groups[ng].padded_numel
+                segment = new.full_slice(new_flat, ng)
+            a, b = max(offset, lo), min(offset + end - start, hi)
+            if a < b:
+                segment[a - lo:b - lo].copy_(full[start + a - offset:start + b - offset])

@@ -1,41 +1,21 @@
-"""Mixed precision: fp32 master weights beside bf16/fp16 model copies, and fp16 loss scaling.
+"""fp16 dynamic loss scaling.
 
 The model's parameters and gradients live in `ZeroConfig.dtype`; the optimizer updates fp32
-master weights and writes the rounded result back into the parameters. In fp32 training the
-"master" is the parameter storage itself (no second copy), so fp32 runs hold 4 + 4 + 8 bytes per
-parameter before sharding and mixed-precision runs 2 + 2 + 12, as in the paper.
+master weights and writes the rounded result back into the parameters (optim.py). In fp32
+training the master *is* the parameter storage (no second copy), so fp32 runs hold 4 + 4 + 8 bytes
+per parameter before sharding and mixed-precision runs 2 + 2 + 12, as in the paper.
 
 fp16 has too few exponent bits for small gradients, so the loss is multiplied by a scale before
 backward and the gradients divided by it in the optimizer step. When any rank sees a non-finite
-gradient the step is skipped on every rank alike and the scale halves; after
-`growth_interval` clean steps it doubles (dynamic loss scaling, Micikevicius et al. 2018).
+gradient the step is skipped on every rank alike and the scale halves; after `growth_interval`
+clean steps it doubles (dynamic loss scaling, Micikevicius et al. 2018). An overflow with the scale
+already at `min_scale` cannot be cured by scaling: it raises FloatingPointError instead of skipping
+every step from then on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-
-
-def make_fp32_master(views: list[torch.Tensor]) -> list[torch.Tensor]:
-    """fp32 master copies of `views` (the parameter shards a rank updates).
-
-    fp32 views are returned as they are: the master *is* the parameter. Otherwise one contiguous
-    fp32 buffer is allocated and each view's values are copied into its slice.
-    """
-    if all(v.dtype == torch.float32 for v in views):
-        return list(views)
-    total = sum(v.numel() for v in views)
-    device = views[0].device if views else torch.device("cpu")
-    flat = torch.empty(total, dtype=torch.float32, device=device)
-    masters, start = [], 0
-    for view in views:
-        master = flat[start:start + view.numel()]
-        master.copy_(view)
-        masters.append(master)
-        start += view.numel()
-    return masters
 
 
 @dataclass
@@ -54,11 +34,18 @@ class LossScaler:
         if not self.enabled:
             self.scale = 1.0
 
-    def update(self, found_overflow: bool) -> None:
-        """After each optimizer step: back off on overflow, grow after a run of clean steps."""
+    def update(self, found_overflow: bool, step: int) -> None:
+        """After each optimizer step (`step`: its 1-based number, for the error): back off on
+        overflow, grow after a run of clean steps."""
         if not self.enabled:
             return
         if found_overflow:
+            if self.scale <= self.min_scale:
+                raise FloatingPointError(
+                    f"fp16 gradients overflowed at step {step} with the loss scale already at "
+                    f"min_loss_scale={self.min_scale:g}: the step was skipped, but lowering the scale "
+                    "further is not allowed. Lower the learning rate, clip gradients, lower "
+                    "ZeroConfig.min_loss_scale, or train in bf16")
             self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self.clean_steps = 0
             return

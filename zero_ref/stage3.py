@@ -4,35 +4,50 @@ Sharded: everything. The model is cut into units (subtrees of modules, see `buil
 unit's parameters are one flat group padded to a multiple of Nd, and rank r keeps only shard r of
 it: 16Ψ/Nd bytes of model state per rank. A unit's full parameters exist only while it computes.
 
+Each unit is in one of three states (`UnitState`): FREED (its full buffer has no storage; the
+parameters are views of it, of the right shape, with no data), GATHERING (an all-gather into the
+buffer is in flight) or GATHERED.
+
 Communicated, per micro-batch (paper Sec 7.2.2):
-1. forward: just before a module that uses a unit runs, the unit is all-gathered into its full
-   buffer (Ψ elements over the whole forward), the next `prefetch` units of the recorded forward
-   order are gathered asynchronously, and the unit is freed again when its last user returns;
-2. backward: a hook on each module's outputs gathers the unit again before the module's backward
-   (Ψ elements); when every gradient of a unit has arrived its parameters are freed and its
-   gradient bucket is reduce-scattered (averaged) into this rank's gradient shard (Ψ elements);
+1. forward: just before a unit's root module runs, the unit is all-gathered into its full buffer
+   (Ψ elements over the whole forward), following the gather schedule that every rank shares
+   (gather_schedule.py: gathers pair up by position, so ranks whose modules run in other orders
+   must still issue the same ones); the next `prefetch` units of the schedule are gathered
+   asynchronously; a unit is freed again when its root returns (a unit used twice in one forward
+   is kept until the forward ends);
+2. backward: a hook on each unit root's outputs gathers the unit again before the root's backward
+   (Ψ elements, following the backward schedule); when every gradient of a unit has arrived its
+   parameters are freed and its gradient bucket is reduce-scattered (averaged) into this rank's
+   gradient shard (Ψ elements), in the reverse of the forward schedule on every rank;
 3. step: each rank updates its shard; nothing is gathered until the next forward.
 Total 3Ψ, 1.5x plain data parallelism.
 
-Freeing is done by resizing the storage of the unit's full buffer to zero bytes: the parameters
-stay views of that buffer (same Parameter objects and shapes), so autograd's saved references see
-the regathered values in backward. Units are reduced in the reverse of the first forward's order,
-the same on every rank, so the collectives pair up.
+Freeing resizes the storage of the unit's full buffer to zero bytes: the parameters stay views of
+that buffer (same Parameter objects and shapes), so autograd's saved references see the regathered
+values in backward. A parameter used outside the module that owns it (`F.linear(h,
+self.embed.weight)` in a parent's forward; DeepSpeed calls them external parameters) is noticed by
+a torch-function watcher during forward and backward, gathered on the spot, and from then on
+gathered with the unit root whose forward used it.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
+
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .comm import Comm
+from .comm import Comm, SideStream
 from .config import ZeroConfig
-from .grad_hooks import GroupArrivals, ShardedGradBuckets, register_grad_hooks
-from .optim import ShardedAdamW
+from .gather_schedule import GatherSchedule
+from .grad_buffers import ShardedGradBuckets
+from .grad_hooks import GroupArrivals, register_grad_hooks
 from .partition import GroupLayout, bind_params_to, copy_params_into, make_group
-from .precision import make_fp32_master
 from .stage_base import Stage
+
 
 def build_units(model: nn.Module, trainable: list[nn.Parameter], unit_numel: int
                 ) -> list[tuple[nn.Module, list[nn.Parameter]]]:
@@ -63,14 +78,34 @@ def build_units(model: nn.Module, trainable: list[nn.Parameter], unit_numel: int
     return units
 
 
+def _internal(method):
+    """Mark a hook body as the stage's own code, which the external-use watcher does not watch."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        self.internal += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.internal -= 1
+    return wrapper
+
+
+class UnitState(enum.Enum):
+    FREED = "freed"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
 class Stage3(Stage):
     """Full parameter partitioning with per-unit gather, prefetch and release."""
 
     def __init__(self, model: nn.Module, trainable: list[nn.Parameter], config: ZeroConfig, comm: Comm):
         super().__init__(trainable, config, comm)
+        self.model = model
         units = build_units(model, trainable, config.bucket_numel)
         self.groups = [make_group(i, params, self.world_size) for i, (_, params) in enumerate(units)]
         self.layout = GroupLayout(self.groups)
+        self.unit_names = [_module_name(model, root) for root, _ in units]
 
         # Keep only this rank's shard of each unit; the full buffers start freed.
         self.flat_param_shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
@@ -84,135 +119,246 @@ class Stage3(Stage):
             bind_params_to(group, full)
             full.untyped_storage().resize_(0)
             self.full_params.append(full)
-        self.flat_grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        self.flat_grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
         self.grad_shards = [self.layout.shard_slice(self.flat_grad_shard, g) for g in range(len(self.groups))]
-        self.optimizer = ShardedAdamW(make_fp32_master(self.param_shards), config, self.kernels)
+        self.optimizer = self._make_optimizer(self.param_shards)
 
-        self.gathered = [False] * len(self.groups)
-        self.pending_gather: dict[int, object] = {}     # group -> async all-gather in flight
-        self.users = [0] * len(self.groups)             # modules inside their forward using the group
-        self.forward_order: list[int] = []              # groups in order of first use, first forward
-        self.order_known = False
-        self.forward_position: dict[int, int] = {}     # unit -> index in forward_order
-        self.backward_position: dict[int, int] = {}    # unit -> index in the reduce order
-        self.in_backward = False
-        self.buckets = ShardedGradBuckets(comm, self.groups, self.grad_shards, self.dtype, self.device,
-                                          config.overlap)
+        self.state = [UnitState.FREED] * len(self.groups)
+        self.pending: dict[int, object] = {}     # unit -> its all-gather in flight
+        self.scratch: list = []                  # (buffer, gather) for gathers of a unit already held
+        self.users = [0] * len(self.groups)      # unit roots inside their forward using the unit
+        self.frames: list[tuple[nn.Module, list[int]]] = []   # running unit roots, innermost last
+        self.unit_of_root = {id(root): g for g, (root, _) in enumerate(units)}
+        self.unit_of_param = {id(p): g for g, group in enumerate(self.groups) for p in group.params}
+        self.slot = {id(p): (g, i) for g, group in enumerate(self.groups) for i, p in enumerate(group.params)}
+        self.external: dict[int, set[int]] = {}  # id(module) -> units it uses outside their roots
+        self.used_this_pass: set[int] = set()
+        self.reused: set[int] = set()            # units a forward uses twice: kept until it ends
+        self.gather_stream = SideStream(self.device)
+        self.shards_written = None               # CUDA event: this rank's shards are up to date
+        self.forward_schedule = GatherSchedule(comm, self._issue_gather, config.prefetch)
+        self.backward_schedule = GatherSchedule(comm, self._issue_gather, config.prefetch)
+        self.buckets = ShardedGradBuckets(comm, self.groups, self.grad_shards, self.grad_dtype, self.device,
+                                          config.overlap, may_block=self.device.type == "cuda" or comm.backend == "fake")
         self.arrivals = GroupArrivals(self.groups, self.buckets.reduce_scatter)
-        self.hooks = register_grad_hooks(self.groups, self._on_grad)
-        self._register_module_hooks(model, units)
+        self.watcher = _ExternalUseWatcher(self)
+        self.hooks = register_grad_hooks(trainable, self._after_grad, self._before_grad)
+        self.internal = 0                        # > 0 while the stage's own code runs (the watcher ignores it)
+        for module in [model, *[root for root, _ in units if root is not model]]:
+            self.hooks.append(module.register_forward_pre_hook(self._enter))
+            self.hooks.append(module.register_forward_hook(self._exit, always_call=True))
+        self._mark_shards_written()
 
-    # --- gather and release ----------------------------------------------------------------------
-    def _gather(self, g: int, wait: bool) -> None:
-        if not self.gathered[g]:
-            full = self.full_params[g]
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-            self.pending_gather[g] = self.comm.all_gather(full, self.param_shards[g], async_op=True)
-            self.gathered[g] = True
-        if wait and g in self.pending_gather:
-            self.pending_gather.pop(g).wait()
+    # --- gather and free ---------------------------------------------------------------------------
+    def _issue_gather(self, g: int) -> None:
+        """Start gathering unit g (called by the gather schedules, in the same order on every rank)."""
+        self.gather_stream.wait_event(self.shards_written)
+        with self.gather_stream.on():
+            if self.state[g] is UnitState.FREED:
+                full = self.full_params[g]
+                full.untyped_storage().resize_(full.numel() * full.element_size())
+                self.pending[g] = self.comm.all_gather(full, self.param_shards[g], async_op=True, channel="gather")
+                self.state[g] = UnitState.GATHERING
+            else:   # held here, but a peer needs it: take part, into a scratch buffer
+                scratch = torch.empty_like(self.full_params[g])
+                self.scratch.append((scratch, self.comm.all_gather(scratch, self.param_shards[g], async_op=True,
+                                                                   channel="gather")))
+
+    def _wait(self, g: int) -> None:
+        if self.state[g] is UnitState.GATHERING:
+            self.pending.pop(g).wait()
+            self.state[g] = UnitState.GATHERED
+            if self.device.type == "cuda":   # allocated on the gather stream, used on this one
+                self.full_params[g].record_stream(torch.cuda.current_stream(self.device))
 
     def _free(self, g: int) -> None:
-        if g in self.pending_gather:
-            self.pending_gather.pop(g).wait()
-        if self.gathered[g]:
+        self._wait(g)
+        if self.state[g] is UnitState.GATHERED:
             self.full_params[g].untyped_storage().resize_(0)
-            self.gathered[g] = False
+            self.state[g] = UnitState.FREED
 
-    def _prefetch_after(self, order: list[int], position: dict[int, int], g: int, skip_done: bool = False) -> None:
-        """Start gathering the next `prefetch` units after g in `order` (position: unit -> index),
-        in backward skipping units whose gradients are already complete."""
-        wanted = self.config.prefetch
-        j = position.get(g, len(order)) + 1
-        while wanted and j < len(order):
-            u = order[j]
-            if not skip_done or (not self.arrivals.launched[u] and self.arrivals.missing[u] > 0):
-                self._gather(u, wait=False)
-                wanted -= 1
-            j += 1
-
-    # --- forward: module hooks -------------------------------------------------------------------
-    def _register_module_hooks(self, model: nn.Module, units) -> None:
-        group_of = {id(p): g for g, group in enumerate(self.groups) for p in group.params}
-        root_of = {id(root): g for g, (root, _) in enumerate(units)}
-        for module in model.modules():
-            used = {group_of[id(p)] for p in module.parameters(recurse=False) if id(p) in group_of}
-            if id(module) in root_of:
-                used.add(root_of[id(module)])
-            if used:
-                groups = sorted(used)
-                module.register_forward_pre_hook(lambda m, args, gs=groups: self._acquire(gs))
-                module.register_forward_hook(lambda m, args, out, gs=groups: self._release(gs, out),
-                                             always_call=True)
-
-    def _acquire(self, groups: list[int]) -> None:
-        for g in groups:
-            if self.users[g] == 0:
-                if not self.order_known and g not in self.forward_order:
-                    self.forward_order.append(g)
-                self._gather(g, wait=True)
-                if self.order_known and not self.in_backward:
-                    self._prefetch_after(self.forward_order, self.forward_position, g)
-            self.users[g] += 1
-
-    def _release(self, groups: list[int], output) -> None:
-        for g in groups:
-            self.users[g] -= 1
-            # A forward inside backward is activation-checkpoint recomputation: its unit must stay
-            # gathered for the backward that follows; _on_grad frees it once its gradients are in.
-            if self.users[g] == 0 and not self.in_backward:
-                self._free(g)
-        if torch.is_grad_enabled():
-            for tensor in tree_flatten(output)[0]:
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(lambda grad, gs=groups: self._before_backward(gs))
-
-    def pre_forward(self) -> None:
-        self.users = [0] * len(self.groups)
-        self.in_backward = False
-
-    def post_forward(self) -> None:
-        for g in range(len(self.groups)):   # prefetched units that this forward never used
-            if self.users[g] == 0:
-                self._free(g)
-        if not self.order_known:
-            unused = [g for g in range(len(self.groups)) if g not in self.forward_order]
-            self.arrivals.set_order(self.forward_order[::-1] + unused)
-            self.forward_position = {u: i for i, u in enumerate(self.forward_order)}
-            self.backward_position = {u: i for i, u in enumerate(self.arrivals.order)}
-            self.order_known = True
-
-    # --- backward --------------------------------------------------------------------------------
-    def _before_backward(self, groups: list[int]) -> None:
-        """Runs when the gradient of a module's output is ready, before the module's backward."""
-        for g in groups:
-            if not self.gathered[g] or g in self.pending_gather:
-                self._gather(g, wait=True)
-                self._prefetch_after(self.arrivals.order, self.backward_position, g, skip_done=True)
-
-    def _on_grad(self, g: int, i: int, param: nn.Parameter) -> None:
-        self.buckets.add(g, i, param.grad)
-        param.grad = None
-        self.arrivals.arrive(g, i)
-        if self.arrivals.missing[g] == 0:
-            self._free(g)   # every use of this unit in backward is done
-
-    def begin_backward(self, boundary: bool) -> None:
-        self.arrivals.reset()
-        self.in_backward = True
-
-    def end_backward(self, boundary: bool) -> None:
-        self.in_backward = False
-        self.arrivals.flush()
-        self.buckets.drain()
+    def _free_unused(self) -> None:
         for g in range(len(self.groups)):
+            if self.users[g] == 0:
+                self._free(g)
+        while self.scratch:
+            self.scratch.pop()[1].wait()
+
+    def _acquire(self, g: int) -> None:
+        """Make unit g gathered here, through this pass's schedule; count one more user in forward."""
+        if self.in_backward:
+            schedule = self.backward_schedule
+        else:
+            schedule = self.forward_schedule
+            if g in self.used_this_pass and self.state[g] is UnitState.FREED:
+                self.reused.add(g)   # used again after its release: keep it for the rest of each forward
+            self.used_this_pass.add(g)
+        schedule.acquire(g, held=self.state[g] is not UnitState.FREED)
+        self._wait(g)
+        self.users[g] += 1
+
+    def _release(self, g: int) -> None:
+        self.users[g] -= 1
+        # In backward (activation-checkpoint recomputation) the unit stays for the backward that
+        # follows: _after_grad frees it once its gradients are in.
+        if self.users[g] == 0 and not self.in_backward and g not in self.reused:
             self._free(g)
 
-    # --- step ------------------------------------------------------------------------------------
-    def zero_grads(self) -> None:
+    # --- forward: one pair of hooks per unit root, and the model's --------------------------------
+    @_internal
+    def _enter(self, module: nn.Module, args) -> None:
+        if module is self.model and not self.in_backward:
+            self.forward_schedule.begin()
+            self.used_this_pass = set()
+        units = [g for g in (self.unit_of_root.get(id(module)),) if g is not None]
+        units += sorted(self.external.get(id(module), ()))
+        for g in units:
+            self._acquire(g)
+        self.frames.append((module, units))
+
+    @_internal
+    def _exit(self, module: nn.Module, args, output) -> None:
+        _, units = self.frames.pop()
+        for g in units:
+            self._release(g)
+        if torch.is_grad_enabled() and units:
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(lambda grad, gs=tuple(units): self._before_backward(gs))
+        if module is self.model and not self.in_backward:
+            self._end_forward()
+
+    def _end_forward(self) -> None:
+        first = not self.forward_schedule.learned
+        self.forward_schedule.finish()
+        self._free_unused()
+        if first:   # reduce in the reverse of the (agreed) forward order, on every rank
+            entries = self.forward_schedule.entries
+            self.arrivals.set_order(entries[::-1] + [g for g in range(len(self.groups)) if g not in entries])
+
+    def external_use(self, param: nn.Parameter) -> None:
+        """The watcher saw an operation fail on `param`, whose unit is freed: the parameter is used
+        outside its unit's root. Gather the unit now and, from now on, with the innermost running
+        unit root (the model's, at least), which also gathers it for its backward."""
+        g = self.unit_of_param[id(param)]
+        if self.frames:
+            module, units = self.frames[-1]
+            self.external.setdefault(id(module), set()).add(g)
+            self._acquire(g)
+            units.append(g)   # released, and hooked for backward, with that root
+        elif self.in_backward:   # needed by backward itself, outside any recomputation
+            self.backward_schedule.acquire(g, held=False)
+            self._wait(g)
+        else:
+            name = next(n for n, p in self.model.named_parameters() if p is param)
+            raise RuntimeError(f"stage 3: parameter {name} (unit {self.unit_names[g]}) was read outside the model's "
+                               "forward, where its unit is not gathered")
+
+    # --- backward ----------------------------------------------------------------------------------
+    @_internal
+    def _before_backward(self, units: tuple[int, ...]) -> None:
+        """Runs when the gradient of a unit root's output is ready, before the root's backward."""
+        self.check_in_backward()
+        for g in units:
+            self.backward_schedule.acquire(g, held=self.state[g] is not UnitState.FREED)
+            self._wait(g)
+
+    @_internal
+    def _before_grad(self, param: nn.Parameter) -> None:
+        self.check_in_backward()
+        self.buckets.bind(self.unit_of_param[id(param)])
+
+    @_internal
+    def _after_grad(self, param: nn.Parameter) -> None:
+        self.check_in_backward()
+        self.mark_used(param)
+        g, i = self.slot[id(param)]
+        self.buckets.add(g, i, param)
+        self.arrivals.arrive(g, i)
+        if self.arrivals.missing[g] == 0 and self.users[g] == 0:
+            self._free(g)   # every use of this unit in backward is done
+        self.buckets.harvest()
+
+    @_internal
+    def begin_backward(self, boundary: bool) -> None:
+        self.arrivals.reset()
+        self.backward_schedule.begin()
+
+    @_internal
+    def end_backward(self, boundary: bool) -> None:
+        self.backward_schedule.finish()
+        self.arrivals.flush()
+        self.buckets.drain()
+        self._free_unused()
+
+    def forward_context(self):
+        return self.watcher
+
+    backward_context = forward_context
+
+    # --- step --------------------------------------------------------------------------------------
+    def grad_segments(self) -> list[torch.Tensor]:
+        return self.grad_shards
+
+    def after_update(self) -> None:
+        self._mark_shards_written()
+
+    def _mark_shards_written(self) -> None:
+        if self.device.type == "cuda":
+            self.shards_written = torch.cuda.current_stream(self.device).record_event()
+
+    def _zero_grad_buffers(self) -> None:
         self.flat_grad_shard.zero_()
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {"params": [self.flat_param_shard, *self.full_params],
-                "grads": [self.flat_grad_shard, *self.buckets.live()],
-                "optimizer_states": self.optimizer.state_tensors()}
+        return {"params": [self.flat_param_shard, *self.full_params], "grads": [self.flat_grad_shard],
+                "optimizer_states": self.optimizer.state_tensors(), "comm_buffers": self.buckets.buffers()}
+
+
+class _ExternalUseWatcher(TorchFunctionMode):
+    """Sees every torch function call of a forward or backward made outside the stage's own code.
+
+    An operation that reads a parameter of a freed unit fails (its storage has no data); the watcher
+    then has the stage gather the unit (`Stage3.external_use`) and runs the operation again. A
+    parameter of a unit whose gather is still in flight has data that is not complete yet, so while
+    any gather is in flight the watcher first waits for those among the arguments. Calls that only
+    look at a parameter's metadata (shape, `.grad`, hooks) neither fail nor wait for long.
+    """
+
+    def __init__(self, stage: Stage3):
+        super().__init__()
+        self.stage = stage
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        stage = self.stage
+        if stage.internal:
+            return func(*args, **kwargs)
+        if stage.pending:
+            for param in self._unit_params(args, kwargs):
+                stage._wait(stage.unit_of_param[id(param)])
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError:
+            freed = [p for p in self._unit_params(args, kwargs)
+                     if stage.state[stage.unit_of_param[id(p)]] is UnitState.FREED]
+            if not freed:
+                raise
+        stage.internal += 1
+        try:
+            for param in freed:
+                stage.external_use(param)
+        finally:
+            stage.internal -= 1
+        return func(*args, **kwargs)
+
+    def _unit_params(self, args, kwargs):
+        """The stage-3 parameters among the arguments (and inside list or tuple arguments)."""
+        for arg in (*args, *kwargs.values()):
+            for item in (arg if isinstance(arg, (list, tuple)) else (arg,)):
+                if isinstance(item, nn.Parameter) and id(item) in self.stage.unit_of_param:
+                    yield item
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    return next((name or "<model>" for name, m in model.named_modules() if m is module), "?")

@@ -1,20 +1,23 @@
 """What the engine asks of every stage, and the few pieces all stages share.
 
 A stage owns the model's trainable parameters after `initialize`: how they are laid out in flat
-buffers, which part this rank keeps, how gradients are reduced during backward, and what has to be
-gathered after the optimizer has updated this rank's fp32 master segments. The engine drives a
-step through this interface:
+groups, which segment of each group this rank keeps, how gradients are reduced during backward,
+and what has to be gathered after the optimizer has updated this rank's fp32 master segments. The
+engine drives a step through this interface:
 
-    pre_forward / post_forward      around the model's forward (stage 3 gathers parameters here)
-    begin_backward / end_backward   around loss.backward(); on return at an accumulation boundary
-                                    every reduction of the step has completed
-    grad_segments                   this rank's reduced gradient segments, aligned with the masters
-    low_precision_segments          where the updated parameters are written (None in fp32)
-    after_update                    regather what the stage needs (stages 1 and 2: the parameters)
+    forward_context()               entered around the model's forward (stage 3: its watcher;
+                                    stage 3 gathers through hooks on the model's modules)
+    begin_backward / end_backward   around loss.backward() (inside backward_context()); on return
+                                    every reduction the stage owes for this micro-batch has completed
+    grad_segments                   this rank's gradient segments, aligned with the masters
+    segment_updated(g)              the optimizer has written segment g (stages 1-2 start its gather)
+    after_update                    wait for what segment_updated started
     zero_grads                      clear gradients for the next step
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -24,7 +27,23 @@ import triton_kernels
 from .comm import Comm
 from .config import ZeroConfig
 from .optim import ShardedAdamW
-from .partition import FlatGroup, GroupLayout
+from .partition import FlatGroup
+
+BARE_BACKWARD = ("a backward pass reached zero-ref's gradient hooks outside engine.backward(loss): call "
+                 "engine.backward(loss) instead of loss.backward() (it applies the fp16 loss scale and "
+                 "1/grad_accum_steps and finishes the step's reductions). The gradients accumulated since "
+                 "the last step are not usable: engine.zero_grad() discards them")
+
+
+def pieces_of(groups: list[FlatGroup], segment_range):
+    """(param, param_start, param_end, g, segment_start) for every parameter piece that falls in
+    segment g = `segment_range(g)` of each group."""
+    for g, group in enumerate(groups):
+        lo, hi = segment_range(g)
+        for param, start, end in group.param_ranges():
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                yield param, a - start, b - start, g, a - lo
 
 
 class Stage:
@@ -40,20 +59,31 @@ class Stage:
         self.comm = comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.dtype = config.torch_dtype
-        self.mixed_precision = self.dtype != torch.float32
-        self.device = trainable[0].device if trainable else torch.device("cpu")
+        self.grad_dtype = config.grad_dtype
+        self.device = comm.device
         self.kernels = triton_kernels.load(config.kernels, self.device)
         self.groups: list[FlatGroup] = []
-        self.param_shards: list[torch.Tensor] = []   # this rank's parameter segment of each group
-        self.grad_shards: list[torch.Tensor] = []    # its averaged gradient segment of each group
         self.optimizer: ShardedAdamW | None = None
+        self.hooks: list = []
+        self.index = {id(p): k for k, p in enumerate(trainable)}   # a parameter's place among the trainable
+        self.used = bytearray(len(trainable))   # which parameters got a gradient since the last step
+        self.in_backward = False           # set by the engine around loss.backward()
+        self.polluted: str | None = None   # why the gradients since the last step are unusable
+
+    def check_in_backward(self) -> None:
+        """Called by every gradient hook: refuse a backward the engine did not start."""
+        if not self.in_backward:
+            self.polluted = BARE_BACKWARD
+            raise RuntimeError(BARE_BACKWARD)
 
     # --- around forward and backward -------------------------------------------------------------
-    def pre_forward(self) -> None:
-        """Before the model's forward."""
+    def forward_context(self):
+        """A context manager entered around the model's forward."""
+        return contextlib.nullcontext()
 
-    def post_forward(self) -> None:
-        """After the model's forward."""
+    def backward_context(self):
+        """A context manager entered around loss.backward()."""
+        return contextlib.nullcontext()
 
     def begin_backward(self, boundary: bool) -> None:
         """Before loss.backward(); `boundary` is True on the last micro-batch of a step."""
@@ -61,69 +91,88 @@ class Stage:
     def end_backward(self, boundary: bool) -> None:
         """After loss.backward(): finish this micro-batch's reductions."""
 
-    # --- the optimizer step (defaults for the sharded stages: one segment per group) -------------
+    # --- the optimizer step ----------------------------------------------------------------------
     def grad_segments(self) -> list[torch.Tensor]:
         """This rank's averaged gradient segments, aligned with the optimizer's masters."""
-        return self.grad_shards
+        raise NotImplementedError
 
-    def low_precision_segments(self) -> list[torch.Tensor | None]:
-        return self._low_precision(self.param_shards)
+    def segment_updated(self, g: int) -> None:
+        """The optimizer has written this rank's segment of group g."""
 
     def after_update(self) -> None:
-        """After the optimizer has updated this rank's segments."""
+        """After the optimizer has updated every segment."""
 
     def zero_grads(self) -> None:
+        """Clear gradients (and the record of which parameters got one) for the next step."""
+        self.used = bytearray(len(self.trainable))
+        self._zero_grad_buffers()
+
+    def _zero_grad_buffers(self) -> None:
         raise NotImplementedError
+
+    def mark_used(self, param: nn.Parameter) -> None:
+        self.used[self.index[id(param)]] = 1
+
+    def used_mask(self) -> torch.Tensor:
+        """1.0 for each trainable parameter that got a gradient on this rank since the last step."""
+        return torch.tensor(list(self.used), dtype=torch.float32).to(self.device)
+
+    def _make_optimizer(self, segments: list[torch.Tensor]) -> ShardedAdamW:
+        """AdamW over this rank's `segments`, knowing which parameter each piece belongs to."""
+        pieces = [(self.index[id(p)], start, end, g, offset) for p, start, end, g, offset in self.owned_pieces()]
+        return ShardedAdamW(segments, pieces, len(self.trainable), self.config, self.kernels)
 
     # --- state -----------------------------------------------------------------------------------
+    def segment_range(self, g: int) -> tuple[int, int]:
+        """The [lo, hi) range of group g's flat buffer that this rank's segment g holds: its shard
+        in the sharded stages."""
+        return self.groups[g].shard_range(self.rank)
+
     def full_master(self, g: int) -> torch.Tensor:
-        """The fp32 master values of group g, full padded length, identical on every rank."""
-        return self._gather_master(g, self.optimizer.masters[g])
+        """The fp32 master values of group g, full padded length, identical on every rank, on the
+        engine's device (read only: it may be the master itself). Collective when sharded."""
+        if self.segment_range(g) == (0, self.groups[g].padded_numel):
+            return self.optimizer.masters[g]
+        full = torch.empty(self.groups[g].padded_numel, dtype=torch.float32, device=self.device)
+        self.comm.all_gather(full, self.optimizer.masters[g].contiguous(), in_step=False)
+        return full
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The live tensors this stage holds, by category: params, grads, optimizer_states."""
+        """The live tensors this stage holds, by category: params, grads, optimizer_states and
+        comm_buffers (constant-size buckets that outlive one reduction)."""
         raise NotImplementedError
 
-    def segment_of(self, g: int) -> tuple[int, int, int, int]:
-        """Where this rank's optimizer state for group g lives: (segment index into the master and
-        moment lists, offset in that segment, and the [lo, hi) range of the group's flat buffer that
-        the segment holds from that offset on). Sharded stages: segment g, their own shard."""
-        lo, hi = self.groups[g].shard_range(self.rank)
-        return g, 0, lo, hi
-
     def owned_pieces(self):
-        """(param, param_start, param_end, segment, segment_start) for every piece of a parameter
-        whose optimizer state this rank holds: the map checkpoints are written and read through."""
-        for g, group in enumerate(self.groups):
-            segment, base, lo, hi = self.segment_of(g)
-            for param, start, end in group.param_ranges():
-                a, b = max(start, lo), min(end, hi)
-                if a < b:
-                    yield param, a - start, b - start, segment, base + a - lo
+        """(param, param_start, param_end, g, segment_start) for every piece of a parameter whose
+        optimizer state this rank holds: the map checkpoints are written and read through."""
+        return pieces_of(self.groups, self.segment_range)
+
+    def planned_pieces(self, order: list[int] | None):
+        """The pieces this rank would own with its parameters packed in `order` (indices into the
+        trainable parameters; None: as they are now), without changing anything."""
+        return self.owned_pieces()
+
+    def learned_order(self) -> list[int] | None:
+        """The order (indices into the trainable parameters) the stage learned to pack them in, for
+        checkpoints; None where the layout follows the model's structure (stage 3)."""
+        return None
+
+    def wants_order(self) -> bool:
+        """Whether `adopt_order` would still take a checkpoint's learned order."""
+        return False
+
+    def adopt_order(self, order: list[int]) -> None:
+        raise NotImplementedError
 
     def sync_params_from_master(self) -> None:
         """Write the rounded fp32 masters into the parameters and regather (after loading state)."""
-        for master, out in zip(self.optimizer.masters, self.low_precision_segments()):
-            if out is not None:
-                out.copy_(master)
+        self.optimizer.write_params()
+        for g in range(len(self.groups)):
+            self.segment_updated(g)
         self.after_update()
 
-    # --- shared helpers --------------------------------------------------------------------------
-    def _gather_master(self, g: int, master_segment: torch.Tensor) -> torch.Tensor:
-        """All-gather group g's fp32 master shards into a new full-length tensor (not a training
-        collective: counted in the cumulative ledger only)."""
-        full = torch.empty(self.groups[g].padded_numel, dtype=torch.float32, device=self.device)
-        self.comm.all_gather(full, master_segment.contiguous(), in_step=False)
-        return full
-
-    def _all_gather_params(self, layout: GroupLayout, flat_params: torch.Tensor,
-                           param_shards: list[torch.Tensor]) -> None:
-        """Every bucket of the flat parameter buffer, all-gathered in place from the ranks' shards."""
-        works = [self.comm.all_gather(layout.full_slice(flat_params, g), param_shards[g], async_op=True)
-                 for g in range(len(layout.groups))]
-        for work in works:
-            work.wait()
-
-    def _low_precision(self, views: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """The parameter views the optimizer writes into: none in fp32 (the master is the parameter)."""
-        return list(views) if self.mixed_precision else [None] * len(views)
+    def close(self) -> None:
+        """Remove every hook this stage registered."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []

@@ -1,0 +1,217 @@
+"""Where gradients live while they are accumulated and reduced.
+
+`FullGradBuffer` (stages 0 and 1): one flat buffer of the whole model, alive for the whole run.
+`ShardedGradBuckets` (stages 2 and 3): constant-size buckets taken from a `BucketPool` while a group
+fills and reduces, then given back; only this rank's reduced shard stays.
+
+In both, a parameter's `.grad` is a view of its range in the buffer whenever the buffer has the
+parameter's dtype, so autograd accumulates straight into it: no per-parameter copy, no allocation
+per step. With `reduce_dtype="fp32"` under bf16/fp16 the dtypes differ: autograd's gradient is
+added into the fp32 buffer and dropped (the cost of accumulating in fp32).
+
+Reductions are launched on the communication side stream (`comm.reduce_stream`, CUDA only) and
+waited on there, so the compute stream never stalls behind one; `end_backward`/`drain` makes the
+compute stream wait once, at the end of backward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .grad_hooks import GroupArrivals
+from .partition import FlatGroup, GroupLayout
+
+
+def _points_at(param: nn.Parameter, view: torch.Tensor) -> bool:
+    return param.grad is not None and param.grad.data_ptr() == view.data_ptr()
+
+
+class FullGradBuffer:
+    """A full flat gradient buffer, one slice per bucket (stages 0 and 1).
+
+    Gradients of every micro-batch accumulate here. On a micro-batch that ends a step, each bucket
+    is handed to `reduce(g)` (which starts its collective and returns the pending handle) as soon as
+    it is complete and in the same order on every rank, with at most `max_in_flight` reductions in
+    flight (gloo stages a copy of each input); `end_backward` launches what is left and waits.
+    """
+
+    def __init__(self, layout: GroupLayout, dtype: torch.dtype, device: torch.device, comm,
+                 reduce: Callable[[int], object], max_in_flight: int = 2):
+        self.layout, self.comm, self.reduce = layout, comm, reduce
+        self.max_in_flight = max_in_flight
+        self.flat = torch.zeros(layout.full_numel, dtype=dtype, device=device)
+        self.views = {}
+        for g, group in enumerate(layout.groups):
+            bucket = layout.full_slice(self.flat, g)
+            for param, start, end in group.param_ranges():
+                self.views[id(param)] = bucket[start:end].view(param.shape)
+        self.arrivals = GroupArrivals(layout.groups, self._launch)
+        self.boundary = True
+        self.in_flight: deque = deque()
+        self.bind()
+
+    def bucket(self, g: int) -> torch.Tensor:
+        return self.layout.full_slice(self.flat, g)
+
+    def bind(self) -> None:
+        """Point every parameter's `.grad` at its range of the buffer (when the dtypes agree)."""
+        for group in self.layout.groups:
+            for param in group.params:
+                view = self.views[id(param)]
+                param.grad = view if view.dtype == param.dtype else None
+
+    def add(self, g: int, i: int, param: nn.Parameter) -> None:
+        """After-hook body: make sure the gradient is in the buffer, then count it."""
+        view = self.views[id(param)]
+        if not _points_at(param, view):   # fp32 reduction, or the user replaced or cleared `.grad`
+            view.add_(param.grad.view(view.shape))
+            param.grad = view if view.dtype == param.dtype else None
+        if self.boundary:
+            self.arrivals.arrive(g, i)
+
+    def _launch(self, g: int) -> None:
+        with self.comm.reduce_stream.after_current():
+            pending = self.reduce(g)
+        if pending is not None:
+            self.in_flight.append(pending)
+            while len(self.in_flight) > self.max_in_flight:
+                self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        with self.comm.reduce_stream.on():
+            self.in_flight.popleft().wait()
+
+    def begin_backward(self, boundary: bool) -> None:
+        self.boundary = boundary
+        self.arrivals.reset()
+
+    def end_backward(self, boundary: bool) -> None:
+        if not boundary:
+            return   # gradients keep accumulating locally until the last micro-batch
+        self.arrivals.flush()
+        while self.in_flight:
+            self._wait_oldest()
+        self.comm.reduce_stream.join()
+
+    def zero(self) -> None:
+        self.flat.zero_()
+
+
+class BucketPool:
+    """Bucket buffers reused across groups and backwards (the paper's constant-size buffers, CB).
+
+    `take(n)` returns a zeroed buffer of n elements, reusing a free one that is large enough (after
+    the stream that last used it has finished with it) or allocating one; `give` returns it.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device = dtype, device
+        self.buffers: list[torch.Tensor] = []
+        self.free: list[tuple[torch.Tensor, object]] = []   # (buffer, event of its last use or None)
+
+    def take(self, numel: int) -> torch.Tensor:
+        fits = [k for k, (buffer, _) in enumerate(self.free) if buffer.numel() >= numel]
+        if fits:
+            buffer, event = self.free.pop(min(fits, key=lambda k: self.free[k][0].numel()))
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
+        else:
+            buffer = torch.empty(numel, dtype=self.dtype, device=self.device)
+            self.buffers.append(buffer)
+        return buffer[:numel].zero_()
+
+    def give(self, view: torch.Tensor, event=None) -> None:
+        buffer = next(b for b in self.buffers if b.data_ptr() == view.data_ptr())
+        self.free.append((buffer, event))
+
+    def clear(self) -> None:
+        """Drop every buffer (all must have been given back)."""
+        self.buffers, self.free = [], []
+
+
+class ShardedGradBuckets:
+    """Gradient buckets that exist only while a group fills and reduces (stages 2 and 3).
+
+    `bind(g)` (before-hook) takes group g's bucket from the pool and points the group's `.grad` at
+    it; `add` (after-hook) makes sure a gradient is in its bucket. `reduce_scatter(g)` averages the
+    bucket over the ranks in place; once that is done, chunk `rank` is added into `grad_shards[g]`
+    and the bucket goes back to the pool. With `may_block`, at most `max_in_flight` reductions run
+    while backward goes on (older ones are waited for); without it (stage 3 on gloo, where a host
+    wait could deadlock against a peer that first needs a parameter gather from this rank) finished
+    reductions are harvested as gradients arrive (`harvest`), and `drain()` waits for the rest.
+    """
+
+    def __init__(self, comm, groups: Sequence[FlatGroup], grad_shards: list[torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, overlap: bool, may_block: bool = True, max_in_flight: int = 2):
+        self.comm, self.groups, self.grad_shards = comm, groups, grad_shards
+        self.pool = BucketPool(dtype, device)
+        self.overlap, self.may_block = overlap, may_block
+        self.max_in_flight = max_in_flight if overlap else 0
+        self.filling: dict[int, torch.Tensor] = {}   # group -> its bucket while gradients arrive
+        self.in_flight: deque = deque()              # (group, bucket, pending reduce-scatter)
+
+    def _bucket(self, g: int) -> torch.Tensor:
+        if g not in self.filling:
+            self.filling[g] = self.pool.take(self.groups[g].padded_numel)
+        return self.filling[g]
+
+    def bind(self, g: int) -> None:
+        """Before-hook body: point group g's `.grad` at its bucket, so autograd accumulates there."""
+        if g in self.filling:
+            return
+        bucket = self._bucket(g)
+        for param, start, end in self.groups[g].param_ranges():
+            if param.dtype == bucket.dtype:
+                param.grad = bucket[start:end].view(param.shape)
+
+    def add(self, g: int, i: int, param: nn.Parameter) -> None:
+        """After-hook body: make sure param i's gradient is in group g's bucket; drop `.grad`."""
+        start = self.groups[g].offsets[i]
+        view = self._bucket(g)[start:start + param.numel()]
+        if not _points_at(param, view):
+            view.add_(param.grad.reshape(-1))
+        param.grad = None
+
+    def reduce_scatter(self, g: int) -> None:
+        """Launch group g's reduction (a group with no gradient this time reduces zeros)."""
+        bucket = self._bucket(g)
+        del self.filling[g]
+        for param in self.groups[g].params:   # nothing may write into the bucket any more
+            param.grad = None
+        lo, hi = self.groups[g].shard_range(self.comm.rank)
+        with self.comm.reduce_stream.after_current():
+            pending = self.comm.reduce_scatter(bucket[lo:hi], bucket, async_op=self.overlap)
+        self.in_flight.append((g, bucket, pending))
+        if self.may_block:
+            while len(self.in_flight) > self.max_in_flight:
+                self._finish_oldest()
+        else:
+            self.harvest()
+
+    def harvest(self) -> None:
+        """Finish the reductions that are already complete, oldest first (never blocks)."""
+        while self.in_flight and (self.in_flight[0][2] is None or self.in_flight[0][2].done()):
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        g, bucket, pending = self.in_flight.popleft()
+        with self.comm.reduce_stream.on():
+            if pending is not None:
+                pending.wait()
+            lo, hi = self.groups[g].shard_range(self.comm.rank)
+            self.grad_shards[g].add_(bucket[lo:hi])
+            self.pool.give(bucket, self.comm.reduce_stream.record_event())
+
+    def drain(self) -> None:
+        """Finish every reduction in flight; the compute stream then sees the reduced shards."""
+        while self.in_flight:
+            self._finish_oldest()
+        self.comm.reduce_stream.join()
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The bucket buffers this object holds (for memory accounting)."""
+        return list(self.pool.buffers)
