@@ -43,7 +43,7 @@ class DataDependentOrder(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
-        if int(tokens[0, 0]) % 2:
+        if int(tokens[:, 0].sum()) % 2:
             a = self.a(x)
             y = self.b(x) + a
         else:
@@ -71,7 +71,7 @@ class ExternalUse(nn.Module):
 
 
 class Layered(nn.Module):
-    """`layers` equal linear layers registered in order, run in order or (reverse=True) backwards."""
+    """`layers` equal residual layers registered in order, run in order or (reverse=True) backwards."""
 
     def __init__(self, layers: int = 8, dim: int = 16, vocab: int = 23, reverse: bool = False, seed: int = 0):
         super().__init__()
@@ -84,7 +84,7 @@ class Layered(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for layer in (reversed(self.layers) if self.reverse else self.layers):
-            x = torch.tanh(layer(x))
+            x = x + torch.tanh(layer(x))
         return self.head(x)
 
 
@@ -110,7 +110,8 @@ def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def token_batches(steps: int, batch: int, vocab: int = 23, seq: int = 6, seed: int = 3) -> list[torch.Tensor]:
+def token_batches(steps: int, batch: int, vocab: int = 23, seq: int = 6, seed: int = 7) -> list[torch.Tensor]:
+    """Seed 7 makes the data-dependent models diverge between ranks at world 2 and 3 (checked by a test)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(steps)]
 

@@ -29,7 +29,6 @@ from torch import nn
 class FlatGroup:
     """Parameters `params` at `offsets` in a flat buffer of `padded_numel` elements."""
 
-    index: int
     params: list[nn.Parameter]
     offsets: list[int]
     numel: int
@@ -50,14 +49,14 @@ class FlatGroup:
             yield param, offset, offset + param.numel()
 
 
-def make_group(index: int, params: Sequence[nn.Parameter], world_size: int) -> FlatGroup:
+def make_group(params: Sequence[nn.Parameter], world_size: int) -> FlatGroup:
     """Lay `params` back to back and pad the total to a multiple of `world_size`."""
     offsets, total = [], 0
     for param in params:
         offsets.append(total)
         total += param.numel()
     padded = -(-total // world_size) * world_size
-    return FlatGroup(index, list(params), offsets, total, padded, world_size)
+    return FlatGroup(list(params), offsets, total, padded, world_size)
 
 
 def pack_into_buckets(params: Sequence[nn.Parameter], bucket_numel: int, world_size: int) -> list[FlatGroup]:
@@ -73,7 +72,7 @@ def pack_into_buckets(params: Sequence[nn.Parameter], bucket_numel: int, world_s
         size += param.numel()
     if current:
         buckets.append(current)
-    return [make_group(i, bucket, world_size) for i, bucket in enumerate(buckets)]
+    return [make_group(bucket, world_size) for bucket in buckets]
 
 
 class GroupLayout:
@@ -89,7 +88,6 @@ class GroupLayout:
             full += group.padded_numel
             shard += group.shard_numel
         self.full_numel, self.shard_numel = full, shard
-        self.numel = sum(g.numel for g in self.groups)
 
     def full_slice(self, flat: torch.Tensor, g: int) -> torch.Tensor:
         """Group g's part of a full-length concatenated buffer."""

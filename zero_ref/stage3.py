@@ -103,7 +103,7 @@ class Stage3(Stage):
         super().__init__(trainable, config, comm)
         self.model = model
         units = build_units(model, trainable, config.bucket_numel)
-        self.groups = [make_group(i, params, self.world_size) for i, (_, params) in enumerate(units)]
+        self.groups = [make_group(params, self.world_size) for _, params in units]
         self.layout = GroupLayout(self.groups)
         self.unit_names = [_module_name(model, root) for root, _ in units]
 

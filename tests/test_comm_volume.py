@@ -1,0 +1,85 @@
+"""Elements moved per step, counted below zero-ref: a TorchDispatchMode sees every c10d collective
+torch.distributed runs (the dispatcher's c10d ops, whatever called them) and counts floating-point
+elements the paper's way. The count must equal the engine's own ledger, kind by kind, and the
+paper's 2Ψ (stages 0-2) or 3Ψ (stage 3) up to padding and the step's statistics all-reduce."""
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from awkward import AwkwardNet, global_batches, loss_fn
+from scenarios import cfg, local
+from zero_ref.launch import spawn
+
+# c10d op -> (kind, elements moved per rank from its tensor arguments), as the paper counts
+_OPS = {
+    "_allgather_base_": ("all_gather", lambda args: args[0].numel()),
+    "_reduce_scatter_base_": ("reduce_scatter", lambda args: args[1].numel()),
+    "allreduce_": ("all_reduce", lambda args: 2 * sum(t.numel() for t in args[0])),
+    "broadcast_": ("broadcast", lambda args: sum(t.numel() for t in args[0])),
+}
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts the elements of every floating-point c10d collective issued while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.moved = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            name = func._schema.name.split("::")[1]
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            if name in _OPS and tensors and tensors[0].is_floating_point():
+                kind, elements = _OPS[name]
+                self.moved[kind] += elements(args)
+            elif name not in _OPS and tensors and tensors[0].is_floating_point():
+                self.moved["other"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_steps(rank: int, world: int) -> dict:
+    import zero_ref
+
+    out = {}
+    for stage in range(4):
+        with zero_ref.initialize(AwkwardNet(), cfg(stage)) as engine:
+            for step, (tokens,) in enumerate(global_batches(3, 1, 12)):
+                part = local(tokens, rank, world)
+                counter = CountCollectives()
+                with counter:   # the last step: after the first, which learns orders and layouts
+                    if step == 2:
+                        engine.backward(loss_fn(engine(part), part))
+                        engine.step()
+                if step < 2:
+                    engine.backward(loss_fn(engine(part), part))
+                    engine.step()
+            out[stage] = dict(counter.moved), engine.comm_stats()["last_step"], len(engine.stage.groups)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_counted_by_torch_match_the_ledger_and_the_paper(world):
+    model = AwkwardNet()
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    statistics = 2 * (2 + tensors)   # the step's [sum of squares, flag, used per parameter] all-reduce
+    buffers = model.gain.numel()     # broadcast_buffers: rank 0's float buffers before each forward
+    for rank_out in spawn(count_steps, world, timeout=300):
+        for stage in range(4):
+            counted, ledger, groups = rank_out[stage]
+            assert "other" not in counted
+            assert {k: counted.get(k, 0) for k in ledger if k != "total"} == {k: v for k, v in ledger.items()
+                                                                             if k != "total"}, stage
+            padding = groups * (world - 1)   # each group is padded by fewer than Nd elements
+            assert counted["broadcast"] == buffers
+            if stage == 0:
+                assert counted["all_reduce"] == 2 * psi + statistics
+            else:
+                gathers = 2 if stage == 3 else 1
+                assert psi <= counted["reduce_scatter"] <= psi + padding, stage
+                assert gathers * psi <= counted["all_gather"] <= gathers * (psi + padding), stage
+                assert counted["all_reduce"] == statistics, stage
