@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # The one prepared check for a CUDA machine (one H200, torch 2.11, triton 3.6, no internet, no pip).
 # Run from anywhere:  bash experiments/gpu_check.sh
-# Time: the kernel part takes 1-3 minutes (capped at 5.5 by timeouts); the whole script under 8.
+# Time: typically 4-5 minutes; every step has a timeout and the timeouts add up to under 8 minutes.
 #   1. the kernel tests with Triton COMPILED (TRITON_INTERPRET=0; the tests also run torch on CUDA)
 #   2. the kernel benchmark at 1M..256M elements against torch's AdamW and the copy bandwidth
-#   3. engine smoke runs (world size 1, NCCL), one per stage: added by the engine work below
+#   3. engine smoke runs (world size 1, NCCL), one per stage (zero-ref train --device cuda)
+#   4. engine checks (experiments/gpu_engine_check.py, world size 1, NCCL): every stage exact
+#      against torch.optim.AdamW with the compiled kernels, host syncs per step, the CUDA streams a
+#      step uses (reductions waited on a side stream), bf16 with reduce_dtype="fp32" beside bf16
+#      reductions, device memory added by a pinned save and by full_state_dict(device="cpu"), the
+#      CUDA RNG restored by a load, and a new engine after close()
 # Everything lands in results/gpu/; when $OUT is set, results/gpu is copied there too, even if a
 # step fails (the trap below), so a failed run still brings its logs back. A failing step does
 # not stop the later ones; the script exits 1 at the end, listing the failed steps.
@@ -43,12 +48,12 @@ gpu_info() {
 }
 
 kernel_tests() {
-    timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 \
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 \
         | tee results/gpu/test_kernels.log
 }
 
 kernel_bench() {
-    timeout 150 python3 experiments/bench_kernels.py --out results/gpu \
+    timeout 100 python3 experiments/bench_kernels.py --out results/gpu \
         --sizes 1M,4M,16M,64M,256M --repeats 20 2>&1 | tee results/gpu/bench_kernels.log
 }
 
@@ -61,14 +66,19 @@ step "kernel benchmark" kernel_bench
 # fused Triton kernels ("auto" picks them on CUDA); each appends rows to results/gpu/engine_smoke.csv
 # (loss, memory by category, peak device memory, elements moved, median step time, GPU name).
 engine_smoke() {
-    timeout 90 python3 -m zero_ref.cli train --stage "$1" --dtype bf16 --nproc 1 --device cuda \
-        --steps 20 --layers 4 --hidden 512 --heads 8 --vocab 8192 --seq 256 --batch 16 \
+    timeout 40 python3 -m zero_ref.cli train --stage "$1" --dtype bf16 --nproc 1 --device cuda \
+        --steps 12 --layers 4 --hidden 512 --heads 8 --vocab 8192 --seq 256 --batch 16 \
         --kernels auto --csv results/gpu/engine_smoke.csv 2>&1 | tee -a results/gpu/engine_smoke.log
 }
 rm -f results/gpu/engine_smoke.csv results/gpu/engine_smoke.log
 for stage in 0 1 2 3; do
     step "engine smoke, stage $stage (NCCL, world 1)" engine_smoke "$stage"
 done
+
+engine_checks() {
+    timeout 90 python3 experiments/gpu_engine_check.py --out results/gpu 2>&1 | tee results/gpu/engine_check.log
+}
+step "engine checks (exactness, syncs, streams, fp32 reductions, pinned saves, RNG, close)" engine_checks
 
 if (( ${#FAILED[@]} )); then
     echo "== FAILED steps: ${FAILED[*]}"

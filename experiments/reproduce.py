@@ -35,16 +35,26 @@ def _step_time(out: Path, quick: bool, quiet: bool) -> dict:
     from experiments.bench_step import main as bench
 
     headline = []
-    for dtype, folder in (("fp32", out), ("bf16", out / "bf16")):
-        rows = bench(["--dtype", dtype, "--out", str(folder)])
+    # bf16 also times stages 2 and 3 with reduce_dtype="fp32" (the cost of fp32 reductions); fewer
+    # steps, since bf16 matmuls are slow on CPUs without native bf16 (about 11 s a step without AVX-512)
+    runs = (("fp32", out, []), ("bf16", out / "bf16", ["--steps", "12", "--warmup", "2", "--fp32-reduce-stages", "2", "3"]))
+    for dtype, folder, extra in runs:
+        rows = bench(["--dtype", dtype, "--out", str(folder), *extra])
         ddp = next(r for r in rows if r["system"] == "ddp")
         for r in rows:
-            if r["system"] != "ddp":
+            if r["system"] == "ddp":
+                continue
+            if r["system"].endswith("-r32"):
                 headline.append({
-                    "item": f"step time, stage {int(r['stage'])} vs DDP + AdamW(foreach), {dtype}, world 2",
-                    "paper": "2Ψ comm. for stages 0-2, 3Ψ for stage 3 (no step time given)",
-                    "ours": f"{r['ratio_to_ddp']:.3f}x DDP ({r['median_s'] * 1e3:.0f} vs {ddp['median_s'] * 1e3:.0f} ms)",
-                    "error": f"project goal <= {r['goal']:.2f}x: {r['pass']}", "how": "real run"})
+                    "item": f"step time, stage {int(r['stage'])} with reduce_dtype='fp32', bf16, world 2",
+                    "paper": "(not in the paper)", "ours": f"{r['ratio_to_same_stage']:.3f}x the bf16 reduction",
+                    "error": "cost measured, no goal", "how": "real run"})
+                continue
+            headline.append({
+                "item": f"step time, stage {int(r['stage'])} vs DDP + AdamW(foreach), {dtype}, world 2",
+                "paper": "2Ψ comm. for stages 0-2, 3Ψ for stage 3 (no step time given)",
+                "ours": f"{r['ratio_to_ddp']:.3f}x DDP ({r['median_s'] * 1e3:.0f} vs {ddp['median_s'] * 1e3:.0f} ms)",
+                "error": f"project goal <= {r['goal']:.2f}x: {r['pass']}", "how": "real run"})
     return {"headline": headline, "meta": {}}
 
 

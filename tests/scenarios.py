@@ -8,7 +8,6 @@ from torch import nn
 from torch.nn import functional as F
 
 import zero_ref
-from awkward import AwkwardNet, global_batches, loss_fn
 
 LR = 1e-2
 ATOL = 1e-5

@@ -6,7 +6,6 @@ paper's 2Ψ (stages 0-2) or 3Ψ (stage 3) up to padding and the step's statistic
 from collections import Counter
 
 import pytest
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from awkward import AwkwardNet, global_batches, loss_fn

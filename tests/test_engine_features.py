@@ -158,7 +158,7 @@ def features(rank: int, world: int, folder: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return spawn(features, 2, str(tmp_path_factory.mktemp("features")), timeout=420)
+    return spawn(features, 2, str(tmp_path_factory.mktemp("features")), timeout=280)
 
 
 def test_prefetch_zero_and_two_are_exact(runs):

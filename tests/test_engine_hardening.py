@@ -120,7 +120,7 @@ def hardening(rank: int, world: int, folder: str) -> dict:
 def runs(request, tmp_path_factory):
     world = request.param
     folder = tmp_path_factory.mktemp(f"hardening{world}")
-    return world, spawn(hardening, world, str(folder), timeout=420)
+    return world, spawn(hardening, world, str(folder), timeout=280)
 
 
 def _references(world: int) -> dict:

@@ -17,7 +17,8 @@ from torch import nn
 
 import zero_ref
 from awkward import AwkwardNet, global_batches, loss_fn
-from zero_ref.checkpoint import CheckpointError, _seal, consolidate
+from zero_ref.checkpoint import CheckpointError, consolidate
+from zero_ref.manifest import seal
 from zero_ref.launch import free_port, spawn
 
 TIMEOUT_S = 4.0
@@ -170,7 +171,7 @@ def test_fuzzed_manifest_never_loads_silently_wrong(world1, tmp_path_factory, mu
         return
     node[path[-1]] = value
     body = {k: v for k, v in manifest.items() if k != "sha256"}
-    manifest = _seal(body) if reseal else manifest   # resealed: the field checks must catch it
+    manifest = seal(body) if reseal else manifest   # resealed: the field checks must catch it
     copy = tmp_path_factory.mktemp("fuzz")
     for f in saved.iterdir():
         (copy / f.name).write_bytes(f.read_bytes())

@@ -1,11 +1,13 @@
 """Fused kernels for ZeRO's memory-bound steps, each beside a plain torch twin.
 
-Three jobs dominate the time a ZeRO step spends outside matmuls and communication, and all are
-memory bound, so fusing them (one pass over memory instead of several) is what makes them fast:
+Two jobs dominate the time a ZeRO step spends outside matmuls and communication, and one more the
+time it takes to build the engine; all are memory bound, so fusing them (one pass over memory
+instead of several) is what makes them fast:
 
-* ``fused_adamw_``: the AdamW update on a flat fp32 shard plus the bf16/fp16 weight copy.
-* ``flatten_`` / ``unflatten_``: copies between many tensors and one flat buffer.
-* ``norm_and_overflow``: the gradient sum of squares and the inf/NaN check for loss scaling.
+* ``fused_adamw_``: the AdamW update on a flat fp32 shard plus the bf16/fp16 weight copy (every step).
+* ``norm_and_overflow``: the gradient sum of squares and the inf/NaN check for loss scaling (every step).
+* ``flatten_`` / ``unflatten_``: copies between many tensors and one flat buffer (the engine
+  flattens its parameters once, at set-up and when it repacks its buckets).
 
 Pick an implementation with ``load``::
 

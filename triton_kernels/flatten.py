@@ -1,9 +1,12 @@
 """Fused flatten/unflatten: copy many tensors into (or out of) one flat buffer in ONE launch.
 
-ZeRO keeps parameters and gradients in flat buffers and copies between those and the module's
-own tensors every step (gather -> unflatten into the parameters, gradients -> flatten into a
-bucket). Done with torch, that is one copy kernel per tensor: hundreds of tiny launches for a
-transformer. Here one launch does them all.
+Where zero-ref needs it: the model's parameters become views of the engine's flat buffers and
+their gradients views of its gradient buckets, so no step copies between them. What is left is
+copying (and casting) every parameter into its group's flat buffer when the engine is built, and
+again when stages 0-2 repack their buckets after the first backward: `flatten_`, one launch per
+group where torch needs one copy kernel per tensor (hundreds for a transformer). `unflatten_` is
+its inverse, for code that keeps tensors apart (a flat buffer scattered back into a model's
+tensors); the engine itself does not call it.
 
 How: an offset table. The work is cut into blocks of at most ``BLOCK`` elements, never crossing
 a tensor boundary, and the host writes one row per block into a small int64 device tensor::
@@ -16,8 +19,8 @@ the dtype kind is a runtime value, tensors of mixed dtypes share the launch (the
 on it). We chose this over concatenating the tensors first (one more full copy) and over a grid
 of (tensor, block) pairs (idle programs whenever sizes differ, which they do: embeddings next to
 biases). Building a table costs O(#blocks) host work and one small host-to-device copy; tables
-are cached by the addresses, sizes, dtypes and offsets they describe, so a training loop that
-copies the same tensors every step builds each table once.
+are cached by the addresses, sizes, dtypes and offsets they describe, so copying the same tensors
+again builds no new table.
 
 The raw addresses are why interpreted kernels need CPU tensors (the interpreter reads process
 memory) and compiled ones CUDA tensors (device memory); ``common.check_device`` enforces it.

@@ -29,10 +29,8 @@ host memory; all ranks vote; only if every rank succeeded does any rank apply wh
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -43,16 +41,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import DTYPES
+from .manifest import (STATE_KINDS, CheckpointError, build_manifest, canonical_names, check_matches_model,
+                       persistent_buffers, piece_index, read_manifest, seal)
 
-FORMAT_VERSION = 2
-STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
-_FILE_RE = re.compile(r"^rank\d{5}\.safetensors$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or read back as it should (the message says why)."""
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "resolve", "read_manifest"]
 
 
 # --- saving --------------------------------------------------------------------------------------
@@ -66,7 +58,7 @@ def save_checkpoint(engine, root: str | os.PathLike, keep: int = 2) -> Path:
     root = Path(root)
     tag = comm.all_gather_object(f"step{engine.global_step:08d}-{uuid.uuid4().hex[:8]}")[0]
     folder = root / tag
-    names = _canonical_names(engine.module)
+    names = canonical_names(engine.module)
 
     tensors, pieces = {}, []
     if not (stage.replicated and comm.rank != 0):
@@ -78,7 +70,7 @@ def save_checkpoint(engine, root: str | os.PathLike, keep: int = 2) -> Path:
     if comm.rank == 0:
         for param in engine.frozen:
             tensors[f"frozen/{names[id(param)]}"] = _to_host(param.detach().float())
-        for name, buffer in _persistent_buffers(engine.module):
+        for name, buffer in persistent_buffers(engine.module):
             tensors[f"buffer/{name}"] = _to_host(buffer.detach())
     tensors["rng/cpu"] = torch.get_rng_state()
     if stage.device.type == "cuda":
@@ -98,8 +90,8 @@ def save_checkpoint(engine, root: str | os.PathLike, keep: int = 2) -> Path:
 
     def finish() -> None:
         if comm.rank == 0:
-            manifest = _manifest(engine, names, files, order)
-            _atomic_write(folder / "manifest.json", lambda tmp: tmp.write_text(json.dumps(_seal(manifest), indent=1)))
+            manifest = build_manifest(engine, names, files, order)
+            _atomic_write(folder / "manifest.json", lambda tmp: tmp.write_text(json.dumps(seal(manifest), indent=1)))
             _atomic_write(root / "latest", lambda tmp: tmp.write_text(tag))
             _prune(root, keep, tag)
 
@@ -130,33 +122,6 @@ def _together(comm, work, what: str):
     return [result for _, result in everyone]
 
 
-def _manifest(engine, names: dict[int, str], files: list[dict], order: list[int] | None) -> dict:
-    aliases: dict[str, list[str]] = {}
-    for name, param in engine.module.named_parameters(remove_duplicate=False):
-        if name != names[id(param)]:
-            aliases.setdefault(names[id(param)], []).append(name)
-    trainable = [p for p in engine.module.parameters() if p.requires_grad]
-    hf = None
-    config = getattr(engine.module, "config", None)
-    if hasattr(config, "to_json_string") and hasattr(engine.module, "save_pretrained"):
-        hf = {"class": type(engine.module).__name__, "config": json.loads(config.to_json_string())}
-    return {
-        "format_version": FORMAT_VERSION,
-        "world_size": engine.comm.world_size, "stage": engine.config.stage, "dtype": engine.config.dtype,
-        "global_step": engine.global_step, "optimizer_step": engine.stage.optimizer.step_count,
-        "param_steps": list(engine.stage.optimizer.param_steps),
-        "skipped_steps": engine.skipped_steps, "scaler": engine.scaler.state_dict(),
-        "config": {k: v for k, v in dataclasses.asdict(engine.config).items()},
-        "params": [{"name": names[id(p)], "aliases": aliases.get(names[id(p)], []),
-                    "shape": list(p.shape), "numel": p.numel()} for p in trainable],
-        "frozen": [{"name": names[id(p)], "shape": list(p.shape)} for p in engine.frozen],
-        "buffers": [{"name": n, "shape": list(b.shape)} for n, b in _persistent_buffers(engine.module)],
-        "state_keys": list(engine.module.state_dict(keep_vars=True).keys()),
-        "param_order": None if order is None else [names[id(trainable[k])] for k in order],
-        "files": files, "hf": hf,
-    }
-
-
 def _prune(root: Path, keep: int, newest: str) -> None:
     """Remove checkpoint folders other than the newest `keep` (incomplete ones from killed saves too)."""
     tags = sorted((p.name for p in root.iterdir() if p.is_dir() and re.match(r"^step\d{8}-[0-9a-f]{8}$", p.name)),
@@ -184,8 +149,8 @@ def _read(engine, path) -> dict:
     """Phase 1, on this rank only: verify and read everything this rank needs into host memory."""
     folder = resolve(path)
     manifest = read_manifest(folder)
-    names = _canonical_names(engine.module)
-    _check_matches_model(manifest, engine, names)
+    names = canonical_names(engine.module)
+    check_matches_model(manifest, engine, names)
     comm, stage = engine.comm, engine.stage
     order = None
     if manifest["param_order"] is not None and stage.wants_order():
@@ -193,7 +158,7 @@ def _read(engine, path) -> dict:
         order = [index[name] for name in manifest["param_order"]]   # validated: a permutation of them
     planned = list(stage.planned_pieces(order))
 
-    where = _piece_index(manifest)
+    where = piece_index(manifest)
     needed = {0} | ({comm.rank} if comm.rank < manifest["world_size"] else set())
     for param, start, end, _, _ in planned:
         needed.update(r for s, e, r in where[names[id(param)]] if s < end and e > start)
@@ -210,7 +175,7 @@ def _read(engine, path) -> dict:
                         parts[kind][lo - start:hi - start] = handles[r].get_slice(f"{kind}/{name}/{s}")[lo - s:hi - s]
             pieces[(id(param), start)] = parts
         frozen = [handles[0].get_tensor(f"frozen/{names[id(p)]}") for p in engine.frozen]
-        buffers = [handles[0].get_tensor(f"buffer/{name}") for name, _ in _persistent_buffers(engine.module)]
+        buffers = [handles[0].get_tensor(f"buffer/{name}") for name, _ in persistent_buffers(engine.module)]
         own = handles.get(comm.rank) if comm.rank < manifest["world_size"] else None
         rng = {key: own.get_tensor(key) for key in own.keys() if key.startswith("rng/")} if own is not None else {}
     except Exception as err:   # a key or shape the verified manifest promised but the file lacks
@@ -232,7 +197,7 @@ def _apply(engine, read: dict) -> None:
                 segments[kind][g][offset:offset + end - start].copy_(source)
         for param, source in zip(engine.frozen, read["frozen"]):
             param.data.copy_(source.to(param.dtype))
-        for (_, buffer), source in zip(_persistent_buffers(engine.module), read["buffers"]):
+        for (_, buffer), source in zip(persistent_buffers(engine.module), read["buffers"]):
             buffer.data.copy_(source.to(buffer.dtype))
         stage.sync_params_from_master()
         stage.zero_grads()
@@ -262,100 +227,6 @@ def resolve(path: str | os.PathLike) -> Path:
     raise CheckpointError(f"no checkpoint at {path}: it holds neither manifest.json nor latest")
 
 
-def read_manifest(folder: Path) -> dict:
-    """Parse, unseal and validate a checkpoint folder's manifest."""
-    path = Path(folder) / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"cannot read {path}: {err}") from err
-    if not isinstance(manifest, dict) or manifest.get("sha256") != _digest(manifest):
-        raise CheckpointError(f"{path} is corrupted: its content does not match its sha256 seal")
-    try:
-        validate_manifest(manifest)
-    except (TypeError, KeyError, AttributeError, IndexError) as err:   # a shape no field check foresaw
-        raise CheckpointError(f"{path} is malformed: {err!r}") from err
-    return manifest
-
-
-def validate_manifest(m: dict) -> None:
-    """Check every field of a manifest; raise CheckpointError naming the first bad one."""
-    def need(ok: bool, field: str) -> None:
-        if not ok:
-            raise CheckpointError(f"manifest field {field!r} is missing or invalid")
-
-    def count(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-    need(m.get("format_version") == FORMAT_VERSION, "format_version")
-    need(count(m.get("world_size")) and m["world_size"] >= 1, "world_size")
-    need(m.get("stage") in (0, 1, 2, 3) and not isinstance(m.get("stage"), bool), "stage")
-    need(isinstance(m.get("dtype"), str) and m["dtype"] in DTYPES, "dtype")
-    for key in ("global_step", "optimizer_step", "skipped_steps"):
-        need(count(m.get(key)), key)
-    scaler = m.get("scaler")
-    need(isinstance(scaler, dict) and isinstance(scaler.get("scale"), (int, float))
-         and math.isfinite(scaler["scale"]) and scaler["scale"] > 0 and count(scaler.get("clean_steps")), "scaler")
-    need(isinstance(m.get("params"), list), "params")
-    numels = {}
-    for p in m["params"]:
-        need(isinstance(p, dict) and isinstance(p.get("name"), str) and p["name"] not in numels
-             and isinstance(p.get("aliases"), list) and all(isinstance(a, str) for a in p["aliases"])
-             and isinstance(p.get("shape"), list) and all(count(d) for d in p["shape"])
-             and p.get("numel") == math.prod(p["shape"]), "params")
-        numels[p["name"]] = p["numel"]
-    for key in ("frozen", "buffers"):
-        need(isinstance(m.get(key), list) and all(
-            isinstance(x, dict) and isinstance(x.get("name"), str) and isinstance(x.get("shape"), list)
-            and all(count(d) for d in x["shape"]) for x in m[key]), key)
-    need(isinstance(m.get("state_keys"), list) and all(isinstance(k, str) for k in m["state_keys"]), "state_keys")
-    steps = m.get("param_steps")
-    need(isinstance(steps, list) and len(steps) == len(numels) and all(count(n) for n in steps), "param_steps")
-    order = m.get("param_order", "missing")
-    need(order is None or (isinstance(order, list) and all(isinstance(n, str) for n in order)
-                           and sorted(order) == sorted(numels)), "param_order")
-    files = m.get("files")
-    need(isinstance(files, list) and len(files) == m["world_size"], "files")
-    covered = {name: [] for name in numels}
-    for rank, f in enumerate(files):
-        need(isinstance(f, dict) and f.get("rank") == rank and isinstance(f.get("file"), str)
-             and _FILE_RE.match(f["file"]) is not None and count(f.get("bytes"))
-             and isinstance(f.get("sha256"), str) and _HEX64.match(f["sha256"]) is not None
-             and isinstance(f.get("pieces"), list), f"files[{rank}]")
-        for piece in f["pieces"]:
-            need(isinstance(piece, list) and len(piece) == 3 and isinstance(piece[0], str)
-                 and piece[0] in numels and count(piece[1])
-                 and count(piece[2]) and piece[1] < piece[2] <= numels[piece[0]], f"files[{rank}].pieces")
-            covered[piece[0]].append((piece[1], piece[2]))
-    for name, ranges in covered.items():   # the pieces of every parameter tile it exactly
-        position = 0
-        for start, end in sorted(ranges):
-            need(start == position, f"pieces of {name}")
-            position = end
-        need(position == numels[name], f"pieces of {name}")
-
-
-def _check_matches_model(manifest: dict, engine, names: dict[int, str]) -> None:
-    trainable = [(names[id(p)], list(p.shape)) for p in engine.module.parameters() if p.requires_grad]
-    saved = [(p["name"], p["shape"]) for p in manifest["params"]]
-    for i in range(max(len(trainable), len(saved))):
-        ours = trainable[i] if i < len(trainable) else None
-        theirs = saved[i] if i < len(saved) else None
-        if ours != theirs:
-            raise CheckpointError(f"checkpoint does not match the model at trainable parameter #{i}: "
-                                  f"checkpoint has {theirs}, model has {ours}")
-    frozen = [(names[id(p)], list(p.shape)) for p in engine.frozen]
-    buffers = [(n, list(b.shape)) for n, b in _persistent_buffers(engine.module)]
-    for kind, ours, theirs in (("frozen parameter", frozen, manifest["frozen"]),
-                               ("buffer", buffers, manifest["buffers"])):
-        theirs = [(x["name"], x["shape"]) for x in theirs]
-        if ours != theirs:
-            first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-            raise CheckpointError(f"checkpoint does not match the model at {kind} #{first}: checkpoint has "
-                                  f"{theirs[first] if first < len(theirs) else None}, model has "
-                                  f"{ours[first] if first < len(ours) else None}")
-
-
 # --- consolidation -------------------------------------------------------------------------------
 def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Offline, on CPU, with no process group: glue a checkpoint's pieces into a full fp32 state
@@ -364,7 +235,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, to
     folder = resolve(path)
     manifest = read_manifest(folder)
     handles = {f["rank"]: _open_verified(folder, f) for f in manifest["files"]}
-    where = _piece_index(manifest)
+    where = piece_index(manifest)
     values: dict[str, torch.Tensor] = {}
     for p in manifest["params"]:
         full = torch.empty(p["numel"], dtype=torch.float32)
@@ -399,27 +270,6 @@ def _save_pretrained(hf: dict, state: dict[str, torch.Tensor], folder: Path) -> 
 
 
 # --- helpers -------------------------------------------------------------------------------------
-def _canonical_names(model) -> dict[int, str]:
-    """The first name of every parameter (a tied weight is stored once, under its first name)."""
-    names: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
-    return names
-
-
-def _persistent_buffers(model):
-    keys = set(model.state_dict(keep_vars=True).keys())
-    return [(name, buffer) for name, buffer in model.named_buffers() if name in keys]
-
-
-def _piece_index(manifest: dict) -> dict[str, list[tuple[int, int, int]]]:
-    where: dict[str, list[tuple[int, int, int]]] = {p["name"]: [] for p in manifest["params"]}
-    for f in manifest["files"]:
-        for name, start, end in f["pieces"]:
-            where[name].append((start, end, f["rank"]))
-    return {name: sorted(pieces) for name, pieces in where.items()}
-
-
 def _open_verified(folder: Path, info: dict):
     path = folder / info["file"]
     if not path.is_file():
@@ -441,16 +291,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _digest(manifest: dict) -> str:
-    body = {k: v for k, v in manifest.items() if k != "sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def _seal(manifest: dict) -> dict:
-    """The manifest with its own sha256 added (so any edit or corruption is detected on load)."""
-    return {**manifest, "sha256": _digest(manifest)}
 
 
 def _atomic_write(path: Path, write) -> None:

@@ -99,11 +99,12 @@ def _print_train_report(results: list[dict], args) -> None:
     print(f"\nstage {args.stage} ({STAGE_NAMES[args.stage]}), {args.dtype}, {len(results)} ranks, "
           f"Ψ = {psi:,} parameters; loss {first['losses'][0]:.4f} -> {first['losses'][-1]:.4f}, "
           f"skipped steps {first['skipped']}")
-    print(f"{'rank':>4} {'params':>12} {'grads':>12} {'optim':>12} {'buffers':>10} {'total':>12}  (bytes)")
+    print(f"{'rank':>4} {'params':>12} {'grads':>12} {'optim':>12} {'buffers':>10} {'CB':>10} {'total':>12}  (bytes)")
     for r in results:
         m = r["memory"]
         print(f"{r['rank']:>4} {m['params']:>12,} {m['grads']:>12,} {m['optimizer_states']:>12,} "
-              f"{m['buffers']:>10,} {m['total']:>12,}")
+              f"{m['buffers']:>10,} {m['comm_buffers']:>10,} {m['total']:>12,}")
+    print("(CB: the constant-size gradient buckets stages 2-3 keep for reuse)")
     comm = first["comm"]
     moved = ", ".join(f"{k} {v:,}" for k, v in comm.items() if k != "total" and v)
     print(f"elements moved per rank in the last step: {comm['total']:,} = {comm['total'] / psi:.3f} Ψ ({moved})")
@@ -124,7 +125,7 @@ def _append_csv(results: list[dict], args) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fields = ["date", "git", "device", "stage", "dtype", "world_size", "rank", "psi", "steps", "first_loss",
               "last_loss", "skipped", "median_step_s", "params", "grads", "optimizer_states", "buffers",
-              "total", "peak_device_bytes", "elements_moved", "elements_moved_over_psi", "command"]
+              "comm_buffers", "total", "peak_device_bytes", "elements_moved", "elements_moved_over_psi", "command"]
     new = not path.exists()
     with open(path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)

@@ -16,6 +16,8 @@ the collectives of all its engines in one program order. They are not destroyed 
 closes: torch names a new group over the same ranks after the number of live groups, so a group
 destroyed and created again gets its predecessor's name, finds that predecessor's rendezvous keys
 in the store and can fail to connect; they go with the parent group (`dist.destroy_process_group`).
+A collective that fails retires its engine's channels from that cache (a failed group may be left
+mid-collective), so an engine built afterwards gets fresh ones.
 
 Backend and waits are chosen by the device the engine's tensors live on, not by the backend's name
 (a "cpu:gloo,cuda:nccl" group serves both). On the CPU (gloo) every collective is issued
@@ -89,8 +91,9 @@ class Pending:
     `timeout_s=None` (NCCL), only makes the current CUDA stream wait; a failure becomes a
     CollectiveError naming the collective."""
 
-    def __init__(self, work, what: str, rank: int, timeout_s: float | None):
+    def __init__(self, work, what: str, rank: int, timeout_s: float | None, on_failure=None):
         self.work, self.what, self.rank, self.timeout_s = work, what, rank, timeout_s
+        self.on_failure = on_failure
 
     def wait(self) -> None:
         try:
@@ -99,6 +102,8 @@ class Pending:
             else:
                 self.work.wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as err:
+            if self.on_failure is not None:
+                self.on_failure()
             bound = f" within {self.timeout_s:g} s" if self.timeout_s is not None else ""
             raise CollectiveError(
                 f"rank {self.rank}: {self.what} did not complete{bound}: another rank has probably died, "
@@ -155,10 +160,11 @@ _CHANNELS: dict[tuple, tuple] = {}
 atexit.register(_CHANNELS.clear)   # release the groups while the interpreter is whole, not during teardown
 
 
-def _channel_groups(parent: dist.ProcessGroup | None, backend: str, timeout_s: float) -> list[dist.ProcessGroup]:
-    """The reduce, gather and control groups over the ranks of `parent` (see the module docstring):
-    created by the first engine on those ranks, shared by the later ones. Every rank of `parent`
-    creates them at the same point, its first initialize with these settings."""
+def _channel_groups(parent: dist.ProcessGroup | None, backend: str, timeout_s: float
+                    ) -> tuple[tuple, list[dist.ProcessGroup]]:
+    """(cache key, [reduce, gather, control] groups) over the ranks of `parent` (see the module
+    docstring): created by the first engine on those ranks, shared by the later ones. Every rank of
+    `parent` creates them at the same point, its first initialize with these settings."""
     parent = parent if parent is not None else dist.group.WORLD
     key = (id(parent), backend, timeout_s)
     if key not in _CHANNELS:
@@ -167,7 +173,7 @@ def _channel_groups(parent: dist.ProcessGroup | None, backend: str, timeout_s: f
         groups = [dist.new_group(ranks, timeout=timeout, backend=kind, use_local_synchronization=True)
                   for kind in (backend, backend, "gloo")]
         _CHANNELS[key] = (parent, groups)   # holding the parent keeps its id from being reused
-    return _CHANNELS[key][1]
+    return key, _CHANNELS[key][1]
 
 
 def backend_for(group: dist.ProcessGroup | None, device: torch.device) -> str:
@@ -210,18 +216,26 @@ class Comm:
         self.backend = backend_for(group, device)
         self.timeout_s = timeout_s if device.type == "cpu" else None   # NCCL: never block the host
         self.control_timeout_s = timeout_s                                # control: always gloo
+        self._channels = None
         if self.backend == "fake":   # the at-scale studies: one fake group serves every channel
             self.reduce_group = self.gather_group = self.control_group = group
         else:
             data = "gloo" if device.type == "cpu" else str(dist.get_backend_config(group))
-            self.reduce_group, self.gather_group, self.control_group = _channel_groups(group, data, timeout_s)
+            self._channels, groups = _channel_groups(group, data, timeout_s)
+            self.reduce_group, self.gather_group, self.control_group = groups
             if not gather_channel:
                 self.gather_group = self.reduce_group
         self.reduce_stream = SideStream(device)   # where reductions are waited on and followed up
 
+    def _retire(self) -> None:
+        """A collective failed: later engines must not reuse these channels."""
+        if self._channels is not None and self._channels in _CHANNELS \
+                and _CHANNELS[self._channels][1][2] is self.control_group:
+            del _CHANNELS[self._channels]
+
     # --- data collectives ---------------------------------------------------------------------------
     def _issue(self, work, what: str, async_op: bool) -> Pending | None:
-        pending = Pending(work, what, self.rank, self.timeout_s)
+        pending = Pending(work, what, self.rank, self.timeout_s, self._retire)
         if async_op:
             return pending
         pending.wait()
@@ -267,11 +281,16 @@ class Comm:
         mine = torch.tensor(values, dtype=torch.int64)
         gathered = mine.repeat(self.world_size)
         work = _all_gather(gathered, mine, group=self.control_group, async_op=True)
-        Pending(work, "control exchange", self.rank, self.control_timeout_s).wait()
+        Pending(work, "control exchange", self.rank, self.control_timeout_s, self._retire).wait()
         return gathered.view(self.world_size, len(values)).tolist()
 
     def all_gather_object(self, obj) -> list:
         """Python objects from every rank, on the control channel (not counted as training traffic)."""
         gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self.control_group)
+        try:
+            dist.all_gather_object(gathered, obj, group=self.control_group)
+        except RuntimeError as err:
+            self._retire()
+            raise CollectiveError(f"rank {self.rank}: an exchange of Python objects did not complete: another rank "
+                                  f"has probably died, raised, or diverged ({str(err).splitlines()[0][:300]})") from err
         return gathered

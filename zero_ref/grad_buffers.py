@@ -68,7 +68,7 @@ class FullGradBuffer:
         """After-hook body: make sure the gradient is in the buffer, then count it."""
         view = self.views[id(param)]
         if not _points_at(param, view):   # fp32 reduction, or the user replaced or cleared `.grad`
-            view.add_(param.grad.view(view.shape))
+            view.add_(param.grad.reshape(view.shape))
             param.grad = view if view.dtype == param.dtype else None
         if self.boundary:
             self.arrivals.arrive(g, i)

@@ -114,8 +114,12 @@ class Stage:
         self.used[self.index[id(param)]] = 1
 
     def used_mask(self) -> torch.Tensor:
-        """1.0 for each trainable parameter that got a gradient on this rank since the last step."""
-        return torch.tensor(list(self.used), dtype=torch.float32).to(self.device)
+        """1.0 for each trainable parameter that got a gradient on this rank since the last step (on
+        CUDA copied from pinned memory, so that the copy does not stop the host)."""
+        mask = torch.tensor(list(self.used), dtype=torch.float32)
+        if self.device.type == "cuda":
+            return mask.pin_memory().to(self.device, non_blocking=True)
+        return mask.to(self.device)
 
     def _make_optimizer(self, segments: list[torch.Tensor]) -> ShardedAdamW:
         """AdamW over this rank's `segments`, knowing which parameter each piece belongs to."""

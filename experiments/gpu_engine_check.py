@@ -1,0 +1,219 @@
+"""The engine's GPU path, checked on one CUDA device (world size 1, NCCL): what a CPU cannot show.
+
+Run by ``experiments/gpu_check.sh``; writes ``<out>/engine_check.csv`` (one row per check: what was
+measured, the value, what it must be, pass/fail) with the GPU's name. The checks:
+
+* exactness: every stage, fp32, the fused Triton kernels ("auto" on CUDA), 6 steps of a small model
+  against single-process ``torch.optim.AdamW`` on the same device;
+* host syncs: ``torch.cuda.set_sync_debug_mode`` counts the synchronising calls of one training step
+  (the contract: one, the step's statistics read on the host);
+* side streams: the CUDA streams the profiler sees kernels on during a step (reductions are waited
+  on a side stream, stage-3 gathers issued from one);
+* bf16 with ``reduce_dtype="fp32"`` beside bf16 reductions: median step time and gradient bytes;
+* pinned saves: device memory added at peak by ``save_checkpoint`` (must be far below the state it
+  writes) and the CUDA RNG state restored by ``load_checkpoint``;
+* ``full_state_dict(device="cpu")``: device memory added at peak (at most about one group);
+* ``close()``: a new engine trains after the old one is closed.
+
+Usage: ``python experiments/gpu_engine_check.py --out results/gpu`` (``--device cpu`` runs the same
+checks on gloo, for trying the script without a GPU; the stream and sync checks are then skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from experiments.provenance import provenance  # noqa: E402
+
+
+class Net(torch.nn.Module):
+    """Embedding, four residual blocks, an output layer tied to the embedding."""
+
+    def __init__(self, vocab: int = 512, dim: int = 256, layers: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(dim), torch.nn.Linear(dim, 4 * dim),
+                                                              torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+                                          for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _loss(model_or_engine, tokens):
+    logits = model_or_engine(tokens)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                             tokens[:, 1:].reshape(-1))
+
+
+def _batches(device, steps=6, batch=8, seq=64, vocab=512):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (batch, seq), generator=g).to(device) for _ in range(steps)]
+
+
+def checks(rank: int, world: int, device_type: str) -> list[dict]:
+    import zero_ref
+
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    cuda = device.type == "cuda"
+    rows = []
+
+    def row(check, stage, value, expected, ok):
+        rows.append({"check": check, "stage": stage, "value": value, "expected": expected, "pass": bool(ok)})
+
+    batches = _batches(device)
+    reference = Net().to(device)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    for tokens in batches:
+        _loss(reference, tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    ref = {k: v.detach().float().cpu() for k, v in reference.state_dict().items()}
+
+    for stage in range(4):
+        config = zero_ref.ZeroConfig(stage=stage, lr=1e-3, bucket_numel=2**18, kernels="auto")
+        with zero_ref.initialize(Net().to(device), config) as engine:
+            for tokens in batches[:-1]:
+                engine.backward(_loss(engine, tokens))
+                engine.step()
+            syncs = _count_syncs(lambda: (engine.backward(_loss(engine, batches[-1])), engine.step())) if cuda else None
+            state = engine.full_state_dict()
+            error = max((state[k] - ref[k]).abs().max().item() for k in ref)
+            row("max |w - AdamW| after 6 fp32 steps", stage, f"{error:.2e}", "< 1e-4", error < 1e-4)
+            if cuda:
+                row("host syncs in one step", stage, syncs, "1", syncs == 1)
+                streams = _streams_of_a_step(engine, batches[0])
+                row("CUDA streams with kernels in one step", stage, streams, ">= 2 (compute + NCCL/side)", streams >= 2)
+
+    for reduce_dtype in (None, "fp32"):
+        for stage in (0, 2):
+            config = zero_ref.ZeroConfig(stage=stage, dtype="bf16", reduce_dtype=reduce_dtype, bucket_numel=2**18)
+            with zero_ref.initialize(Net(layers=8).to(device), config) as engine:
+                times = []
+                for tokens in _batches(device, steps=12):
+                    start = time.perf_counter()
+                    engine.backward(_loss(engine, tokens))
+                    engine.step()
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    times.append(time.perf_counter() - start)
+                label = f"bf16, reduce_dtype={reduce_dtype}"
+                row(f"median step ms ({label})", stage, f"{1e3 * statistics.median(times[2:]):.2f}", "measured", True)
+                row(f"gradient bytes ({label})", stage, engine.memory_report()["grads"], "measured", True)
+
+    with tempfile.TemporaryDirectory() as folder:
+        config = zero_ref.ZeroConfig(stage=2, dtype="bf16", bucket_numel=2**18)
+        with zero_ref.initialize(Net().to(device), config) as engine:
+            for tokens in batches[:2]:
+                engine.backward(_loss(engine, tokens))
+                engine.step()
+            states = engine.memory_report()["optimizer_states"]
+            if cuda:
+                torch.cuda.manual_seed(1234)
+                saved_rng = torch.cuda.get_rng_state(device)
+            added = _added_peak(device, lambda: engine.save_checkpoint(folder))
+            row("device bytes added by save_checkpoint", 2, added, f"<< optimizer state ({states})",
+                added < states / 4 if cuda else True)
+            added = _added_peak(device, lambda: engine.full_state_dict(device="cpu"))
+            row("device bytes added by full_state_dict(device='cpu')", 2, added, "<= about one group (2**18 fp32)",
+                added <= 4 * 2**18 * 1.5 if cuda else True)
+        with zero_ref.initialize(Net().to(device), config) as engine:
+            if cuda:
+                torch.randn(100, device=device)   # move the RNG on
+            engine.load_checkpoint(folder)
+            if cuda:
+                restored = torch.equal(torch.cuda.get_rng_state(device), saved_rng)
+                row("CUDA RNG restored by load_checkpoint", 2, restored, "True", restored)
+            engine.backward(_loss(engine, batches[2]))
+            stepped = engine.step()
+            row("close(), then a new engine steps", 2, stepped, "True", stepped)
+    return rows
+
+
+def _count_syncs(step) -> int:
+    """Synchronising CUDA calls made by `step()` (torch warns on each under sync debug mode 'warn')."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _streams_of_a_step(engine, tokens) -> int:
+    """How many CUDA streams ran kernels during one step (from the profiler's trace)."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.backward(_loss(engine, tokens))
+        engine.step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    return len({e["args"]["stream"] for e in events if e.get("cat") == "kernel" and "stream" in e.get("args", {})})
+
+
+def _added_peak(device, work) -> int:
+    if device.type != "cuda":
+        work()
+        return 0
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    work()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "gpu")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    args = parser.parse_args(argv)
+    from zero_ref.launch import spawn
+
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    rows = spawn(checks, 1, args.device, backend=backend, timeout=600)[0]
+    meta = provenance()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "engine_check.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["check", "stage", "value", "expected", "pass", "device", "git", "date"])
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**r, "device": gpu if args.device == "cuda" else "cpu", "git": meta["git_revision"],
+                             "date": meta["date_utc"]})
+    for r in rows:
+        print(f"{'ok  ' if r['pass'] else 'FAIL'} stage {r['stage']}: {r['check']}: {r['value']} (expected {r['expected']})")
+    if not all(r["pass"] for r in rows):
+        raise SystemExit(1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""What a checkpoint says about itself (manifest.json), and the checks that it says it correctly.
+
+The manifest records the format, world size, stage and dtype, every trainable parameter (its
+name, aliases, shape), its AdamW step count, the bucket order stages 0-2 learned, the frozen
+parameters and buffers, which rank's file holds which piece of which parameter, and each file's
+size and sha256. It is sealed with its own sha256, so any edit is caught; `validate_manifest` then
+checks every field (a resealed edit must still describe a consistent checkpoint), and
+`check_matches_model` that it describes the model being loaded into.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+from pathlib import Path
+
+from .config import DTYPES
+
+FORMAT_VERSION = 2
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+_FILE_RE = re.compile(r"^rank\d{5}\.safetensors$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read back as it should (the message says why)."""
+
+
+# --- writing --------------------------------------------------------------------------------------
+def build_manifest(engine, names: dict[int, str], files: list[dict], order: list[int] | None) -> dict:
+    """The manifest of a checkpoint of `engine` whose rank files are `files` (names: canonical_names)."""
+    aliases: dict[str, list[str]] = {}
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
+        if name != names[id(param)]:
+            aliases.setdefault(names[id(param)], []).append(name)
+    trainable = [p for p in engine.module.parameters() if p.requires_grad]
+    hf = None
+    config = getattr(engine.module, "config", None)
+    if hasattr(config, "to_json_string") and hasattr(engine.module, "save_pretrained"):
+        hf = {"class": type(engine.module).__name__, "config": json.loads(config.to_json_string())}
+    return {
+        "format_version": FORMAT_VERSION,
+        "world_size": engine.comm.world_size, "stage": engine.config.stage, "dtype": engine.config.dtype,
+        "global_step": engine.global_step, "optimizer_step": engine.stage.optimizer.step_count,
+        "param_steps": list(engine.stage.optimizer.param_steps),
+        "skipped_steps": engine.skipped_steps, "scaler": engine.scaler.state_dict(),
+        "config": {k: v for k, v in dataclasses.asdict(engine.config).items()},
+        "params": [{"name": names[id(p)], "aliases": aliases.get(names[id(p)], []),
+                    "shape": list(p.shape), "numel": p.numel()} for p in trainable],
+        "frozen": [{"name": names[id(p)], "shape": list(p.shape)} for p in engine.frozen],
+        "buffers": [{"name": n, "shape": list(b.shape)} for n, b in persistent_buffers(engine.module)],
+        "state_keys": list(engine.module.state_dict(keep_vars=True).keys()),
+        "param_order": None if order is None else [names[id(trainable[k])] for k in order],
+        "files": files, "hf": hf,
+    }
+
+
+def digest(manifest: dict) -> str:
+    """The sha256 of the manifest without its seal."""
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def seal(manifest: dict) -> dict:
+    """The manifest with its own sha256 added (so any edit or corruption is detected on load)."""
+    return {**manifest, "sha256": digest(manifest)}
+
+
+# --- reading ---------------------------------------------------------------------------------------
+def read_manifest(folder: Path) -> dict:
+    """Parse, unseal and validate a checkpoint folder's manifest."""
+    path = Path(folder) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from err
+    if not isinstance(manifest, dict) or manifest.get("sha256") != digest(manifest):
+        raise CheckpointError(f"{path} is corrupted: its content does not match its sha256 seal")
+    try:
+        validate_manifest(manifest)
+    except (TypeError, KeyError, AttributeError, IndexError) as err:   # a shape no field check foresaw
+        raise CheckpointError(f"{path} is malformed: {err!r}") from err
+    return manifest
+
+
+def validate_manifest(m: dict) -> None:
+    """Check every field of a manifest; raise CheckpointError naming the first bad one."""
+    def need(ok: bool, field: str) -> None:
+        if not ok:
+            raise CheckpointError(f"manifest field {field!r} is missing or invalid")
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    need(m.get("format_version") == FORMAT_VERSION, "format_version")
+    need(count(m.get("world_size")) and m["world_size"] >= 1, "world_size")
+    need(m.get("stage") in (0, 1, 2, 3) and not isinstance(m.get("stage"), bool), "stage")
+    need(isinstance(m.get("dtype"), str) and m["dtype"] in DTYPES, "dtype")
+    for key in ("global_step", "optimizer_step", "skipped_steps"):
+        need(count(m.get(key)), key)
+    scaler = m.get("scaler")
+    need(isinstance(scaler, dict) and isinstance(scaler.get("scale"), (int, float))
+         and math.isfinite(scaler["scale"]) and scaler["scale"] > 0 and count(scaler.get("clean_steps")), "scaler")
+    need(isinstance(m.get("params"), list), "params")
+    numels = {}
+    for p in m["params"]:
+        need(isinstance(p, dict) and isinstance(p.get("name"), str) and p["name"] not in numels
+             and isinstance(p.get("aliases"), list) and all(isinstance(a, str) for a in p["aliases"])
+             and isinstance(p.get("shape"), list) and all(count(d) for d in p["shape"])
+             and p.get("numel") == math.prod(p["shape"]), "params")
+        numels[p["name"]] = p["numel"]
+    for key in ("frozen", "buffers"):
+        need(isinstance(m.get(key), list) and all(
+            isinstance(x, dict) and isinstance(x.get("name"), str) and isinstance(x.get("shape"), list)
+            and all(count(d) for d in x["shape"]) for x in m[key]), key)
+    need(isinstance(m.get("state_keys"), list) and all(isinstance(k, str) for k in m["state_keys"]), "state_keys")
+    steps = m.get("param_steps")
+    need(isinstance(steps, list) and len(steps) == len(numels) and all(count(n) for n in steps), "param_steps")
+    order = m.get("param_order", "missing")
+    need(order is None or (isinstance(order, list) and all(isinstance(n, str) for n in order)
+                           and sorted(order) == sorted(numels)), "param_order")
+    files = m.get("files")
+    need(isinstance(files, list) and len(files) == m["world_size"], "files")
+    covered = {name: [] for name in numels}
+    for rank, f in enumerate(files):
+        need(isinstance(f, dict) and f.get("rank") == rank and isinstance(f.get("file"), str)
+             and _FILE_RE.match(f["file"]) is not None and count(f.get("bytes"))
+             and isinstance(f.get("sha256"), str) and _HEX64.match(f["sha256"]) is not None
+             and isinstance(f.get("pieces"), list), f"files[{rank}]")
+        for piece in f["pieces"]:
+            need(isinstance(piece, list) and len(piece) == 3 and isinstance(piece[0], str)
+                 and piece[0] in numels and count(piece[1])
+                 and count(piece[2]) and piece[1] < piece[2] <= numels[piece[0]], f"files[{rank}].pieces")
+            covered[piece[0]].append((piece[1], piece[2]))
+    for name, ranges in covered.items():   # the pieces of every parameter tile it exactly
+        position = 0
+        for start, end in sorted(ranges):
+            need(start == position, f"pieces of {name}")
+            position = end
+        need(position == numels[name], f"pieces of {name}")
+
+
+def check_matches_model(manifest: dict, engine, names: dict[int, str]) -> None:
+    """Raise CheckpointError at the first parameter, frozen parameter or buffer that differs."""
+    trainable = [(names[id(p)], list(p.shape)) for p in engine.module.parameters() if p.requires_grad]
+    saved = [(p["name"], p["shape"]) for p in manifest["params"]]
+    for i in range(max(len(trainable), len(saved))):
+        ours = trainable[i] if i < len(trainable) else None
+        theirs = saved[i] if i < len(saved) else None
+        if ours != theirs:
+            raise CheckpointError(f"checkpoint does not match the model at trainable parameter #{i}: "
+                                  f"checkpoint has {theirs}, model has {ours}")
+    frozen = [(names[id(p)], list(p.shape)) for p in engine.frozen]
+    buffers = [(n, list(b.shape)) for n, b in persistent_buffers(engine.module)]
+    for kind, ours, theirs in (("frozen parameter", frozen, manifest["frozen"]),
+                               ("buffer", buffers, manifest["buffers"])):
+        theirs = [(x["name"], x["shape"]) for x in theirs]
+        if ours != theirs:
+            first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            raise CheckpointError(f"checkpoint does not match the model at {kind} #{first}: checkpoint has "
+                                  f"{theirs[first] if first < len(theirs) else None}, model has "
+                                  f"{ours[first] if first < len(ours) else None}")
+
+
+# --- names -----------------------------------------------------------------------------------------
+def canonical_names(model) -> dict[int, str]:
+    """The first name of every parameter (a tied weight is stored once, under its first name)."""
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    return names
+
+
+def persistent_buffers(model):
+    """(name, buffer) for the buffers the model's state dict holds."""
+    keys = set(model.state_dict(keep_vars=True).keys())
+    return [(name, buffer) for name, buffer in model.named_buffers() if name in keys]
+
+
+def piece_index(manifest: dict) -> dict[str, list[tuple[int, int, int]]]:
+    """{parameter name: sorted (start, end, rank) of its pieces}."""
+    where: dict[str, list[tuple[int, int, int]]] = {p["name"]: [] for p in manifest["params"]}
+    for f in manifest["files"]:
+        for name, start, end in f["pieces"]:
+            where[name].append((start, end, f["rank"]))
+    return {name: sorted(pieces) for name, pieces in where.items()}
