@@ -94,7 +94,8 @@ def checks(rank: int, world: int, device_type: str) -> list[dict]:
             for tokens in batches[:-1]:
                 engine.backward(_loss(engine, tokens))
                 engine.step()
-            syncs = _count_syncs(lambda: (engine.backward(_loss(engine, batches[-1])), engine.step())) if cuda else None
+            last_step = lambda: (engine.backward(_loss(engine, batches[-1])), engine.step())
+            syncs = _count_syncs(last_step) if cuda else last_step()
             state = engine.full_state_dict()
             error = max((state[k] - ref[k]).abs().max().item() for k in ref)
             row("max |w - AdamW| after 6 fp32 steps", stage, f"{error:.2e}", "< 1e-4", error < 1e-4)
