@@ -22,10 +22,11 @@ sharded and what moves. The step contract:
     out = engine(batch)      the model's forward (floating inputs cast to the model dtype)
     engine.backward(loss)    backward of loss * loss_scale / grad_accum_steps; the stage reduces
                              gradients during it (stages 0-1: only on the step's last micro-batch)
-    engine.step()            at a step boundary: gradient norm (one pass, one scalar all-reduce when
-                             gradients are sharded, one host sync), fp16 overflow check (skip on
-                             every rank alike), clip, fused AdamW on this rank's segments, regather,
-                             clear gradients. True when the parameters changed.
+    engine.step()            at a step boundary: gradient norm and overflow flag (one fused pass),
+                             one small all-reduce of [sum of squares, flag, which parameters got a
+                             gradient] and one host sync, skip on every rank alike if non-finite,
+                             clip, fused AdamW on this rank's segments of the parameters that got
+                             a gradient, regather, clear gradients. True when the parameters changed.
 
 * A step boundary is reached after a multiple of `grad_accum_steps` backwards since the last update;
   `step()` elsewhere (mid-accumulation, or with no backward since the last step) does nothing and
@@ -101,22 +102,18 @@ class ZeroEngine:
         self.ledger = CommLedger()
         self.comm = Comm(process_group, self.ledger, device, config.comm_timeout_s, gather_channel=config.stage == 3)
         self.closed = False
-        try:
-            _check_same_model_everywhere(model, self.comm)
-            with torch.no_grad():
-                self.frozen = [p for p in params if not p.requires_grad]
-                cast = [*self.frozen, *(model.buffers() if config.cast_buffers else ())]
-                for tensor in cast:
-                    if tensor.is_floating_point():
-                        tensor.data = tensor.data.to(self.dtype)
-                if self.comm.world_size > 1:   # every rank starts from rank 0's model
-                    for tensor in [*params, *model.buffers()]:
-                        self.comm.broadcast(tensor.data, 0, in_step=False)
-            trainable = [p for p in params if p.requires_grad]
-            self.stage: Stage = _make_stage(model, trainable, config, self.comm)
-        except BaseException:
-            self.closed = True
-            raise
+        _check_same_model_everywhere(model, self.comm)
+        with torch.no_grad():
+            self.frozen = [p for p in params if not p.requires_grad]
+            cast = [*self.frozen, *(model.buffers() if config.cast_buffers else ())]
+            for tensor in cast:
+                if tensor.is_floating_point():
+                    tensor.data = tensor.data.to(self.dtype)
+            if self.comm.world_size > 1:   # every rank starts from rank 0's model
+                for tensor in [*params, *model.buffers()]:
+                    self.comm.broadcast(tensor.data, 0, in_step=False)
+        trainable = [p for p in params if p.requires_grad]
+        self.stage: Stage = _make_stage(model, trainable, config, self.comm)
         self.scaler = LossScaler(enabled=self.dtype == torch.float16, scale=config.initial_loss_scale,
                                  growth_interval=config.loss_scale_growth_interval,
                                  min_scale=config.min_loss_scale)
@@ -238,7 +235,8 @@ class ZeroEngine:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise RuntimeError("this ZeroEngine was closed: its hooks and process groups are gone")
+            raise RuntimeError("this ZeroEngine was closed (engine.close()): its hooks are gone, it can no "
+                               "longer train, save or report; build a new one with zero_ref.initialize")
 
     # --- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self, path, keep: int = 2):

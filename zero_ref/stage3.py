@@ -141,9 +141,9 @@ class Stage3(Stage):
         self.buckets = ShardedGradBuckets(comm, self.groups, self.grad_shards, self.grad_dtype, self.device,
                                           config.overlap, may_block=self.device.type == "cuda" or comm.backend == "fake")
         self.arrivals = GroupArrivals(self.groups, self.buckets.reduce_scatter)
+        self.internal = 0                        # > 0 while the stage's own code runs (the watcher ignores it)
         self.watcher = _ExternalUseWatcher(self)
         self.hooks = register_grad_hooks(trainable, self._after_grad, self._before_grad)
-        self.internal = 0                        # > 0 while the stage's own code runs (the watcher ignores it)
         for module in [model, *[root for root, _ in units if root is not model]]:
             self.hooks.append(module.register_forward_pre_hook(self._enter))
             self.hooks.append(module.register_forward_hook(self._exit, always_call=True))
