@@ -3,41 +3,12 @@ torch.distributed runs (the dispatcher's c10d ops, whatever called them) and cou
 elements the paper's way. The count must equal the engine's own ledger, kind by kind, and the
 paper's 2Ψ (stages 0-2) or 3Ψ (stage 3) up to padding and the step's statistics all-reduce."""
 
-from collections import Counter
-
 import pytest
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from awkward import AwkwardNet, global_batches, loss_fn
 from scenarios import cfg, local
+from zero_ref.collective_count import CountCollectives
 from zero_ref.launch import spawn
-
-# c10d op -> (kind, elements moved per rank from its tensor arguments), as the paper counts
-_OPS = {
-    "_allgather_base_": ("all_gather", lambda args: args[0].numel()),
-    "_reduce_scatter_base_": ("reduce_scatter", lambda args: args[1].numel()),
-    "allreduce_": ("all_reduce", lambda args: 2 * sum(t.numel() for t in args[0])),
-    "broadcast_": ("broadcast", lambda args: sum(t.numel() for t in args[0])),
-}
-
-
-class CountCollectives(TorchDispatchMode):
-    """Counts the elements of every floating-point c10d collective issued while it is active."""
-
-    def __init__(self):
-        super().__init__()
-        self.moved = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            name = func._schema.name.split("::")[1]
-            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-            if name in _OPS and tensors and tensors[0].is_floating_point():
-                kind, elements = _OPS[name]
-                self.moved[kind] += elements(args)
-            elif name not in _OPS and tensors and tensors[0].is_floating_point():
-                self.moved["other"] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def count_steps(rank: int, world: int) -> dict:

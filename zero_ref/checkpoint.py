@@ -85,7 +85,7 @@ def save_checkpoint(engine, root: str | os.PathLike, keep: int = 2) -> Path:
         return {"rank": comm.rank, "file": path.name, "bytes": path.stat().st_size,
                 "sha256": _sha256(path), "pieces": pieces}
 
-    files = _together(comm, write, f"writing {path}")
+    files = _together(comm, write, f"writing {path}")[1]
     order = stage.learned_order()
 
     def finish() -> None:
@@ -107,11 +107,14 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone()
 
 
-def _together(comm, work, what: str):
-    """Run `work()` on every rank, then let all ranks see every outcome: each rank's result, or a
-    CheckpointError on every rank naming the rank that failed and why."""
+def _together(comm, work, what: str, summary=lambda result: result):
+    """Run `work()` on every rank, then let all ranks see every outcome: (this rank's result, every
+    rank's `summary(result)`), or a CheckpointError on every rank naming the rank that failed and why.
+    Only the summaries travel (a load's tensors stay on the rank that read them)."""
+    result = None
     try:
-        outcome = ("ok", work())
+        result = work()
+        outcome = ("ok", summary(result))
     except Exception as err:   # noqa: BLE001 - reported to every rank below
         outcome = ("error", f"{type(err).__name__}: {err}")
     everyone = comm.all_gather_object(outcome)
@@ -119,7 +122,7 @@ def _together(comm, work, what: str):
     if failed:
         detail = "; ".join(f"rank {rank}: {message}" for rank, message in failed)
         raise CheckpointError(f"{what} failed ({detail}); nothing was changed on any rank")
-    return [result for _, result in everyone]
+    return result, [summary for _, summary in everyone]
 
 
 def _prune(root: Path, keep: int, newest: str) -> None:
@@ -137,12 +140,25 @@ def load_checkpoint(engine, path: str | os.PathLike) -> None:
     world size and stage (collective: every rank calls it). Nothing in any rank's engine changes
     unless every rank has verified and read all it needs."""
     comm = engine.comm
-    read = _together(comm, lambda: _read(engine, path), f"loading checkpoint {path}")
-    digests = {r["digest"] for r in read}
-    if len(digests) > 1:
-        raise CheckpointError(f"ranks read different checkpoints at {path} (was `latest` replaced during the "
-                              "load?); nothing was changed on any rank")
-    _apply(engine, read[comm.rank])
+    failure, read = None, None
+    try:
+        read, digests = _together(comm, lambda: _read(engine, path), f"loading checkpoint {path}",
+                                  summary=lambda r: r["digest"])
+        if len(set(digests)) > 1:
+            raise CheckpointError(f"ranks read different checkpoints at {path} (was `latest` replaced during the "
+                                  "load?); nothing was changed on any rank")
+    except CheckpointError as err:
+        failure = str(err)
+    if engine.mp_comm is not None:   # model parallelism: the MP ranks' slices must all load, at one step
+        votes = engine.mp_comm.all_gather_object((failure, read and read["manifest"]["global_step"]))
+        failures = [f"model-parallel rank {r}: {f}" for r, (f, _) in enumerate(votes) if f]
+        if not failures and len({step for _, step in votes}) > 1:
+            failures = [f"the model-parallel slices under {path} are at different steps "
+                        f"{[step for _, step in votes]}; nothing was changed on any rank"]
+        failure = failures[0] if failures else None
+    if failure:
+        raise CheckpointError(failure)
+    _apply(engine, read)
 
 
 def _read(engine, path) -> dict:

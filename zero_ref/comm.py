@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
@@ -264,7 +264,7 @@ class Comm:
         `channel="gather"` issues it on the gather channel (stage 3's parameter gathers)."""
         self.ledger.record("all_gather", full.numel(), in_step)
         group = self.gather_group if channel == "gather" else self.reduce_group
-        work = _all_gather(full, shard, group=group, async_op=True)
+        work = all_gather_tensor(full, shard, group=group, async_op=True)
         return self._issue(work, f"all_gather of {full.numel()} elements", async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0, in_step: bool = True) -> None:
@@ -280,7 +280,7 @@ class Comm:
         A fake group returns this rank's values for every rank."""
         mine = torch.tensor(values, dtype=torch.int64)
         gathered = mine.repeat(self.world_size)
-        work = _all_gather(gathered, mine, group=self.control_group, async_op=True)
+        work = all_gather_tensor(gathered, mine, group=self.control_group, async_op=True)
         Pending(work, "control exchange", self.rank, self.control_timeout_s, self._retire).wait()
         return gathered.view(self.world_size, len(values)).tolist()
 

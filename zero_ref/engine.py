@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import checkpoint
+from . import activations, checkpoint, tensor_parallel
 from .comm import Comm, CommLedger
 from .config import ZeroConfig
 from .precision import LossScaler
@@ -61,8 +62,8 @@ from .stage_base import Stage
 MEMORY_CATEGORIES = ("params", "grads", "optimizer_states", "buffers", "comm_buffers")
 
 
-def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.ProcessGroup | None = None
-               ) -> "ZeroEngine":
+def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.ProcessGroup | None = None,
+               mesh=None) -> "ZeroEngine":
     """Take ownership of `model` and return the engine that trains it under `config`.
 
     The model is converted (parameters to `config.dtype`) and partitioned in place: its Parameter
@@ -70,6 +71,10 @@ def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.Process
     until used), so no second full copy stays alive. Rank 0's values are broadcast first, so every
     rank starts from the same model. `process_group` defaults to the default group; world size 1
     works. Every rank of the group must call it.
+
+    With model parallelism pass `mesh`, a 2-D DeviceMesh with dimensions named "dp" and "mp"
+    (`init_device_mesh("cpu", (Nd, Nm), mesh_dim_names=("dp", "mp"))`): ZeRO shards over "dp" only;
+    the model's layers split over "mp" (tensor_parallel.py) and the gradient norm spans both.
     """
     if not isinstance(config, ZeroConfig):
         raise TypeError(f"config must be a zero_ref.ZeroConfig, got {type(config).__name__}")
@@ -79,7 +84,17 @@ def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.Process
         raise RuntimeError("torch.distributed is not initialized: call "
                            "torch.distributed.init_process_group('gloo' or 'nccl') before zero_ref.initialize "
                            "(under torchrun the environment provides rank and world size; world size 1 works)")
-    return ZeroEngine(model, config, process_group)
+    mp_group = None
+    if mesh is not None:
+        if process_group is not None:
+            raise ValueError("pass either process_group (data parallelism only) or mesh (data x model "
+                             "parallelism), not both")
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if getattr(mesh, "ndim", None) != 2 or sorted(names) != ["dp", "mp"]:
+            raise ValueError(f"mesh must be a 2-D DeviceMesh with dimensions named 'dp' and 'mp', got "
+                             f"dimensions {names or None} of shape {tuple(getattr(mesh, 'shape', ()))}")
+        process_group, mp_group = mesh.get_group("dp"), mesh.get_group("mp")
+    return ZeroEngine(model, config, process_group, mp_group)
 
 
 class ZeroEngine:
@@ -90,7 +105,8 @@ class ZeroEngine:
     context manager that `close()`s it.
     """
 
-    def __init__(self, model: nn.Module, config: ZeroConfig, process_group: dist.ProcessGroup | None):
+    def __init__(self, model: nn.Module, config: ZeroConfig, process_group: dist.ProcessGroup | None,
+                 mp_group: dist.ProcessGroup | None = None):
         self.module = model
         self.config = config
         self.dtype = config.torch_dtype
@@ -101,6 +117,8 @@ class ZeroEngine:
         device = devices.pop() if devices else torch.device("cpu")
         self.ledger = CommLedger()
         self.comm = Comm(process_group, self.ledger, device, config.comm_timeout_s, gather_channel=config.stage == 3)
+        self.mp_comm = Comm(mp_group, self.ledger, device, config.comm_timeout_s) \
+            if mp_group is not None and dist.get_world_size(mp_group) > 1 else None
         self.closed = False
         _check_same_model_everywhere(model, self.comm)
         with torch.no_grad():
@@ -181,17 +199,17 @@ class ZeroEngine:
         # over the ranks in one small all-reduce (gradients replicated on every rank, stage 0: only
         # rank 0's statistics enter the sum), then read on the host: the step's one sync.
         stats = torch.cat([optimizer.grad_stats(grads), stage.used_mask()])
-        if self.comm.world_size > 1:
-            if not stage.grads_sharded and self.comm.rank != 0:
-                stats[:2] = 0
-            self.comm.all_reduce(stats, "sum")
+        if self.mp_comm is not None:
+            stats[0] -= self._replicated_share(optimizer.grad_stats(self._replicated_pieces(grads))[0])
+        self._sum_stats(stats)
         sum_sq, nonfinite, *used = stats.tolist()
         if nonfinite:
             return self._skip_step()
         if not math.isfinite(sum_sq):        # finite gradients whose squares overflow fp32
             total = optimizer.sum_of_squares_fp64(grads)
-            if stage.grads_sharded and self.comm.world_size > 1:
-                self.comm.all_reduce(total, "sum")
+            if self.mp_comm is not None:
+                total -= self._replicated_share(optimizer.sum_of_squares_fp64(self._replicated_pieces(grads)))
+            self._sum_stats(total.view(1))
             sum_sq = total.item()
         grad_scale = 1.0 / self.scaler.scale
         if self.config.grad_clip is not None:
@@ -203,6 +221,28 @@ class ZeroEngine:
         self.scaler.update(found_overflow=False, step=self.global_step + self._skipped_steps + 1)
         self.global_step += 1
         return True
+
+    def _sum_stats(self, stats: torch.Tensor) -> None:
+        """Sum the step's statistics over the data-parallel ranks (with gradients replicated, stage 0:
+        only rank 0's sum of squares and flag), then sum of squares and flag over the MP ranks."""
+        if self.comm.world_size > 1:
+            if not self.stage.grads_sharded and self.comm.rank != 0:
+                stats[:2] = 0
+            self.comm.all_reduce(stats, "sum")
+        if self.mp_comm is not None:
+            head = stats[:2].clone()
+            self.mp_comm.all_reduce(head, "sum")
+            stats[:2] = head
+
+    def _replicated_pieces(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's gradient pieces of parameters replicated across the MP group."""
+        return [grads[g][offset:offset + end - start] for param, start, end, g, offset in self.stage.owned_pieces()
+                if not tensor_parallel.is_model_parallel(param)]
+
+    def _replicated_share(self, sum_sq: torch.Tensor) -> torch.Tensor:
+        """Replicated parameters have the same gradient on every MP rank: of their sum of squares
+        each rank contributes 1/Nm, so that the sum over the MP group counts them once."""
+        return sum_sq * (1.0 - 1.0 / self.mp_comm.world_size)
 
     def _skip_step(self) -> bool:
         """Non-finite gradients on some rank (the same decision on every rank): change nothing."""
@@ -243,13 +283,20 @@ class ZeroEngine:
         """Write a sharded checkpoint under the folder `path` (every rank calls it; see checkpoint.py).
         Returns the new checkpoint's folder; `path/latest` names it once it is complete."""
         self._check_open()
-        return checkpoint.save_checkpoint(self, path, keep)
+        return checkpoint.save_checkpoint(self, self._mp_path(path), keep)
 
     def load_checkpoint(self, path) -> None:
         """Load a checkpoint written at any world size and stage (every rank calls it). Every rank
         verifies what it reads, then all vote: a failure anywhere changes nothing anywhere."""
         self._check_open()
-        checkpoint.load_checkpoint(self, path)
+        checkpoint.load_checkpoint(self, self._mp_path(path))
+
+    def _mp_path(self, path):
+        """With model parallelism each MP rank's slice of the model is its own sharded checkpoint,
+        in `path/mp<rank>-of-<Nm>` (so it loads at the same Nm, any data-parallel size)."""
+        if self.mp_comm is None:
+            return path
+        return Path(path) / f"mp{self.mp_comm.rank}-of-{self.mp_comm.world_size}"
 
     # --- inspection ------------------------------------------------------------------------------
     @property
@@ -297,8 +344,10 @@ class ZeroEngine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of live tensor storage on this rank by category (each storage counted once):
-        params, grads, optimizer_states (the paper's model states), buffers (the model's), and
-        comm_buffers (constant-size gradient buckets kept for reuse: the paper's CB)."""
+        params, grads, optimizer_states (the paper's model states), buffers (the model's),
+        comm_buffers (constant-size gradient buckets kept for reuse: the paper's CB),
+        activation_checkpoints (saved block inputs now alive, activations.py) and their total;
+        activation_checkpoints_host: checkpoints offloaded to host memory (Pa+cpu), not in total."""
         tensors = self.stage.memory_tensors()
         tensors["params"] = [*tensors["params"], *self.frozen]
         tensors["buffers"] = list(self.module.buffers())
@@ -312,7 +361,10 @@ class ZeroEngine:
                     seen.add(storage._cdata)
                     total += storage.nbytes()
             report[category] = total
+        saved = activations.model_checkpoints(self.module)
+        report["activation_checkpoints"] = sum(c.device_bytes for c in saved)
         report["total"] = sum(report.values())
+        report["activation_checkpoints_host"] = sum(c.host_bytes for c in saved)
         return report
 
     def comm_stats(self) -> dict[str, dict[str, int]]:

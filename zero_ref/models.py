@@ -46,3 +46,61 @@ def token_batches(vocab_size: int, global_batch: int, seq_len: int, rank: int, w
         tokens = (start + stride * torch.arange(seq_len)) % vocab_size
         yield step, tokens[rank * local:(rank + 1) * local]
         step += 1
+
+
+class ParallelGPTBlock(nn.Module):
+    """A pre-norm GPT-2 block whose attention and MLP are split across a model-parallel group
+    (tensor_parallel.py): each rank runs n_head / Nm heads and 4h / Nm MLP features."""
+
+    def __init__(self, n_embd: int, n_head: int, group, generator: torch.Generator):
+        from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_size
+
+        super().__init__()
+        if n_head % group_size(group):
+            raise ValueError(f"n_head = {n_head} is not divisible by the model-parallel size {group_size(group)}")
+        self.local_heads = n_head // group_size(group)
+        self.head_dim = n_embd // n_head
+        self.ln_1 = nn.LayerNorm(n_embd)
+        # no q/k/v bias (as in Llama): the key bias has a zero gradient in exact arithmetic (softmax
+        # ignores a shift), so AdamW would turn rounding noise into full-size updates
+        self.qkv = ColumnParallelLinear(n_embd, 3 * n_embd, group, generator, parts=3, bias=False)
+        self.proj = RowParallelLinear(n_embd, n_embd, group, generator)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.fc = ColumnParallelLinear(n_embd, 4 * n_embd, group, generator)
+        self.fc_out = RowParallelLinear(4 * n_embd, n_embd, group, generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).view(b, s, 3, self.local_heads, self.head_dim).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, -1))
+        return x + self.fc_out(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
+
+
+class ParallelGPT(nn.Module):
+    """A GPT-2-style language model split Megatron-style over `group` (None: not split): vocabulary-
+    parallel embedding tied to the output layer, `n_layer` ParallelGPTBlocks in `self.blocks` (where
+    activation checkpointing wraps them, see activations.py), no dropout. Built from `seed` so that
+    every split of it starts from the same weights. forward(tokens) returns the mean next-token loss."""
+
+    def __init__(self, n_layer: int = 2, n_embd: int = 64, n_head: int = 4, vocab_size: int = 512,
+                 n_positions: int = 128, group=None, seed: int = 0):
+        from .tensor_parallel import VocabParallelEmbedding
+
+        super().__init__()
+        self.group = group
+        generator = torch.Generator().manual_seed(seed)
+        self.wte = VocabParallelEmbedding(vocab_size, n_embd, group, generator)
+        self.wpe = nn.Parameter(torch.empty(n_positions, n_embd).normal_(0.0, 0.01, generator=generator))
+        self.blocks = nn.ModuleList(ParallelGPTBlock(n_embd, n_head, group, generator) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from .tensor_parallel import copy_to_model_parallel, vocab_parallel_cross_entropy
+
+        x = self.wte(tokens) + self.wpe[:tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(copy_to_model_parallel(self.ln_f(x), self.group), self.wte.weight)
+        losses = vocab_parallel_cross_entropy(logits[:, :-1], tokens[:, 1:], self.wte.first, self.group)
+        return losses.mean()

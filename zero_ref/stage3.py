@@ -55,7 +55,9 @@ def build_units(model: nn.Module, trainable: list[nn.Parameter], unit_numel: int
     least `unit_numel` not-yet-assigned trainable elements becomes the root of a unit holding them;
     the model itself takes whatever is left. A parameter shared by several modules (a tied weight)
     is only taken by a module whose subtree contains all of its users, so one gather serves them
-    all (GPT-2's wte/lm_head land in the model's own unit)."""
+    all (GPT-2's wte/lm_head land in the model's own unit). A container that is never called
+    (nn.ModuleList, nn.ModuleDict: no forward of its own) roots no unit, since its hooks never run:
+    its leftovers go up to the module that calls its children."""
     wanted = {id(p) for p in trainable}
     users: dict[int, set[int]] = {}
     for module in model.modules():
@@ -70,7 +72,8 @@ def build_units(model: nn.Module, trainable: list[nn.Parameter], unit_numel: int
         subtree = {id(m) for m in module.modules()}
         params = [p for p in module.parameters()
                   if id(p) in wanted and id(p) not in assigned and users[id(p)] <= subtree]
-        if params and (module is model or sum(p.numel() for p in params) >= unit_numel):
+        callable_root = type(module).forward is not nn.Module.forward
+        if params and (module is model or (callable_root and sum(p.numel() for p in params) >= unit_numel)):
             units.append((module, params))
             assigned.update(id(p) for p in params)
 

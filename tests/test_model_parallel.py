@@ -1,0 +1,222 @@
+"""ZeRO-R beside model parallelism: MP=2 x DP=2 on 4 gloo ranks trains exactly like the unsplit
+model in one process (torch.optim.AdamW on the global batch), at every stage, with plain, Pa and
+Pa+cpu activation checkpoints; Pa keeps 1/Nm of the checkpoint bytes and moves one
+batch x seq x hidden all-gather per block against Megatron's 12 (all-reduces counted as 2n)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zero_ref.collective_count import CountCollectives
+from zero_ref.launch import spawn
+
+SHAPE = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 64, "n_positions": 16}
+STEPS, GLOBAL_BATCH, SEQ = 10, 8, 12
+# lr 1e-3: attention's key weights have directions of (near) zero gradient (softmax ignores a shift),
+# where AdamW turns rounding noise into lr-sized steps; at 1e-2 that noise alone reaches 1e-5 in 10 steps
+LR, CLIP = 1e-3, 0.5
+
+
+def batches():
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(0, SHAPE["vocab_size"], (GLOBAL_BATCH, SEQ), generator=generator) for _ in range(STEPS)]
+
+
+def reference():
+    """The unsplit model, one process, torch.optim.AdamW on every global batch: losses and weights."""
+    from zero_ref.models import ParallelGPT
+
+    model = ParallelGPT(**SHAPE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for tokens in batches():
+        loss = model(tokens)
+        loss.backward()
+        if CLIP is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def my_slice(full_model, split_model) -> dict[str, torch.Tensor]:
+    """The unsplit model's values cut the way `split_model` (this MP rank's) holds them."""
+    from zero_ref.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        _split_rows,
+        group_rank,
+        group_size,
+    )
+
+    full = full_model if isinstance(full_model, dict) else full_model.state_dict()
+    out = {}
+    for name, module in split_model.named_modules():
+        prefix = f"{name}." if name else ""
+        size, rank = group_size(getattr(module, "group", None)), group_rank(getattr(module, "group", None))
+        if isinstance(module, ColumnParallelLinear):
+            parts = 3 if name.endswith("qkv") else 1
+            for p in ("weight", "bias"):
+                if prefix + p in full:
+                    out[prefix + p] = _split_rows(full[prefix + p], parts, size, rank)
+        elif isinstance(module, RowParallelLinear):
+            out[prefix + "weight"] = full[prefix + "weight"].chunk(size, dim=1)[rank]
+            out[prefix + "bias"] = full[prefix + "bias"]
+        elif isinstance(module, VocabParallelEmbedding):
+            out[prefix + "weight"] = full[prefix + "weight"].chunk(size, dim=0)[rank]
+    return {k: out.get(k, v) for k, v in full.items()}
+
+
+def _unwrap(name: str) -> str:
+    return name.replace(".block.", ".")
+
+
+def mp_engine(stage: int, mode, mesh):
+    import zero_ref
+    from zero_ref.activations import checkpoint_blocks
+    from zero_ref.models import ParallelGPT
+
+    model = ParallelGPT(**SHAPE, group=mesh.get_group("mp"))
+    if mode:
+        checkpoint_blocks(model.blocks, mode, mesh.get_group("mp"))
+    cfg = zero_ref.ZeroConfig(stage=stage, lr=LR, weight_decay=0.01, grad_clip=CLIP, kernels="torch",
+                              bucket_numel=1000)
+    return zero_ref.initialize(model, cfg, mesh=mesh)
+
+
+def run_steps(engine, dp, steps):
+    """Train on `steps` of the global batches; the global mean loss of each step and the memory
+    report taken after the first forward (checkpoints alive)."""
+    losses, reports = [], []
+    for tokens in steps:
+        loss = engine(tokens.chunk(2)[dist.get_rank(dp)])
+        reports.append(engine.memory_report())
+        engine.backward(loss)
+        engine.step()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss, group=dp)
+        losses.append(global_loss.item() / 2)
+    return losses, reports[0]
+
+
+def train_mp(rank: int, world: int, modes, stages, folder):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zero_ref.models import ParallelGPT
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "mp"))
+    dp = mesh.get_group("dp")
+    ref_losses, ref_state = reference()
+    expected = my_slice(ref_state, ParallelGPT(**SHAPE, group=mesh.get_group("mp")))
+    out = {}
+    for stage in stages:
+        for mode in modes:
+            with mp_engine(stage, mode, mesh) as engine:
+                losses, report = run_steps(engine, dp, batches()[:5])
+                if stage == 2 and mode == "pa":
+                    engine.save_checkpoint(folder)
+                losses += run_steps(engine, dp, batches()[5:])[0]
+                state = {_unwrap(k): v for k, v in engine.full_state_dict().items()}
+            loss_error = max(abs(a - b) for a, b in zip(losses, ref_losses))
+            weight_error = max((state[k] - expected[k]).abs().max().item() for k in expected)
+            out[stage, mode] = loss_error, weight_error, report
+    # resume: the MP=2 x DP=2 checkpoint taken after step 5 (stage 2, Pa) loaded into stage 3
+    for stage in (2, 3):
+        with mp_engine(stage, "pa", mesh) as engine:
+            engine.load_checkpoint(folder)
+            losses = run_steps(engine, dp, batches()[5:])[0]
+            state = {_unwrap(k): v for k, v in engine.full_state_dict().items()}
+        out["resumed", stage] = (max(abs(a - b) for a, b in zip(losses, ref_losses[5:])),
+                                 max((state[k] - expected[k]).abs().max().item() for k in expected))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_mp2_dp2_matches_unsplit_model_every_stage_and_checkpoint_mode(tmp_path):
+    results = spawn(train_mp, 4, (None, "plain", "pa", "pa_cpu"), (1, 2, 3), str(tmp_path), timeout=280)
+    for rank_results in results:
+        errors = {key: value[:2] for key, value in rank_results.items()}
+        assert all(e < 1e-5 for pair in errors.values() for e in pair), errors
+    # checkpoint bytes per rank: Pa keeps 1/Nm = 1/2 of plain; Pa+cpu keeps none on the device
+    for rank_results in results:
+        plain = rank_results[1, "plain"][2]
+        pa = rank_results[1, "pa"][2]
+        pa_cpu = rank_results[1, "pa_cpu"][2]
+        local_batch, blocks = GLOBAL_BATCH // 2, SHAPE["n_layer"]
+        assert plain["activation_checkpoints"] == blocks * local_batch * SEQ * SHAPE["n_embd"] * 4
+        assert pa["activation_checkpoints"] * 2 == plain["activation_checkpoints"]
+        assert pa_cpu["activation_checkpoints"] == 0
+        assert pa_cpu["activation_checkpoints_host"] == pa["activation_checkpoints"]
+
+
+def count_per_block(rank: int, world: int):
+    """Elements moved by one forward + backward of the MP=2 model with 1 and with 2 blocks, counted
+    below zero-ref (c10d ops): the difference is what one block moves."""
+    from zero_ref.activations import checkpoint_blocks
+    from zero_ref.models import ParallelGPT
+
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    group = dist.group.WORLD
+    moved = {}
+    for early_stop in (False, True):
+        for mode in ("plain", "pa"):
+            for layers in (1, 2):
+                model = ParallelGPT(**{**SHAPE, "n_layer": layers}, group=group)
+                checkpoints = checkpoint_blocks(model.blocks, mode, group)
+                with CountCollectives() as counter, set_checkpoint_early_stop(early_stop):
+                    model(batches()[0]).backward()
+                moved[early_stop, mode, layers] = dict(counter.moved), checkpoints.gathered_elements
+    moved["errors"] = mesh_errors()
+    return moved
+
+
+def mesh_errors() -> list[str]:
+    """What initialize says about a mesh it cannot use (world 2)."""
+    import zero_ref
+    from torch.distributed.device_mesh import init_device_mesh
+    from zero_ref.models import ParallelGPT
+
+    errors = []
+    for names, group in ((("a", "b"), None), (("dp", "mp"), dist.group.WORLD)):
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=names)
+        try:
+            zero_ref.initialize(ParallelGPT(**SHAPE), zero_ref.ZeroConfig(), group, mesh=mesh)
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+@pytest.mark.timeout(120)
+def test_pa_moves_one_twelfth_of_megatron_per_block():
+    moved = spawn(count_per_block, 2, timeout=100)[0]
+    block_elements = GLOBAL_BATCH * SEQ * SHAPE["n_embd"]
+    for early_stop in (False, True):
+        for mode in ("plain", "pa"):
+            now, before = moved[early_stop, mode, 2], moved[early_stop, mode, 1]
+            per_block = {k: now[0].get(k, 0) - before[0].get(k, 0) for k in ("all_reduce", "all_gather")}
+            # Megatron (the paper's count): 2 all-reduces in forward, 2 again in recomputation, 2 in
+            # backward, 2n each. torch's early stop ends the recomputation before the MLP's output
+            # all-reduce, whose result nothing saved for backward needs: 5 all-reduces, 10n.
+            assert per_block["all_reduce"] == (10 if early_stop else 12) * block_elements, (early_stop, mode, per_block)
+            assert per_block["all_gather"] == (block_elements if mode == "pa" else 0), (early_stop, mode, per_block)
+            assert now[1] - before[1] == per_block["all_gather"]
+    wrong_names, both = moved["errors"]
+    assert "dimensions named 'dp' and 'mp'" in wrong_names and "('a', 'b')" in wrong_names
+    assert "not both" in both
+
+
+def test_bad_layouts_are_refused_with_the_reason():
+    from zero_ref.activations import checkpoint_blocks
+    from zero_ref.models import ParallelGPT
+
+    with pytest.raises(ValueError, match="mode = 'pa-cpu' is not allowed.*'pa_cpu'"):
+        checkpoint_blocks(ParallelGPT(**SHAPE).blocks, "pa-cpu")
+    model = ParallelGPT(**SHAPE)
+    checkpoint_blocks(model.blocks, "plain")
+    with pytest.raises(ValueError, match="already checkpointed"):
+        checkpoint_blocks(model.blocks, "pa")

@@ -1,0 +1,204 @@
+"""Megatron-style model parallelism (MP): the layers a transformer is split with, on one MP group.
+
+Model parallelism splits each layer's weights across the Nm ranks of a model-parallel group, so
+each rank computes part of every layer (Shoeybi et al., Megatron-LM; the ZeRO paper's "MP"). ZeRO
+then shards what is left over the data-parallel group only (`zero_ref.initialize(..., mesh=...)`).
+
+Two operators carry all the communication (Megatron's f and g):
+
+    copy_to_model_parallel (f)       forward: identity;    backward: all-reduce the gradient
+    reduce_from_model_parallel (g)   forward: all-reduce;  backward: identity
+
+A column-parallel linear holds a slice of the output features and starts with f; a row-parallel
+linear holds a slice of the input features and ends with g. An attention block or an MLP is one
+column-parallel linear followed by one row-parallel one, so it costs one all-reduce of
+batch x seq x hidden in forward and one in backward. The vocabulary is split the same way: the
+embedding looks up only its rows (g sums the pieces) and the loss is computed on split logits
+without ever gathering them (`vocab_parallel_cross_entropy`).
+
+Parameters split across the group are marked (`is_model_parallel`); the others (layer norms, the
+row-parallel biases, position embeddings) are replicated, get identical gradients on every MP
+rank, and the engine counts them once in the global gradient norm.
+
+Weights are initialised full size from one seeded generator and sliced, so a model split over any
+Nm starts from exactly the weights of the unsplit model (Nm = 1) and trains to the same result.
+torch's own tensor parallelism (`torch.distributed.tensor.parallel`) makes parameters DTensors,
+which cannot become views of the engine's flat buffers; these layers keep plain tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+_MODEL_PARALLEL = "_zero_ref_model_parallel"
+
+
+def is_model_parallel(param: torch.Tensor) -> bool:
+    """True when `param` holds this rank's slice of a weight split across the model-parallel group
+    (False: the same full tensor on every MP rank)."""
+    return getattr(param, _MODEL_PARALLEL, False)
+
+
+def _mark(param: nn.Parameter) -> nn.Parameter:
+    setattr(param, _MODEL_PARALLEL, True)
+    return param
+
+
+def group_size(group) -> int:
+    """Ranks in the model-parallel group (None: no model parallelism, 1)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# --- the two operators -------------------------------------------------------------------------------
+class _CopyToModelParallel(torch.autograd.Function):
+    """f: identity forward; backward sums the partial input gradients of the MP ranks."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromModelParallel(torch.autograd.Function):
+    """g: forward sums the MP ranks' partial outputs; the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_model_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """Megatron's f (see the module docstring); a no-op without model parallelism."""
+    return x if group_size(group) == 1 else _CopyToModelParallel.apply(x, group)
+
+
+def reduce_from_model_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """Megatron's g (see the module docstring); a no-op without model parallelism."""
+    return x if group_size(group) == 1 else _ReduceFromModelParallel.apply(x, group)
+
+
+# --- layers ------------------------------------------------------------------------------------------
+def _split_rows(full: torch.Tensor, parts: int, size: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s rows of `full`, whose rows are `parts` blocks (e.g. q, k, v) each split in
+    `size` slices: the rank keeps slice `rank` of every block."""
+    blocks = full.chunk(parts, dim=0)
+    return torch.cat([b.chunk(size, dim=0)[rank] for b in blocks], dim=0).contiguous()
+
+
+def _check_divisible(what: str, value: int, size: int) -> None:
+    if value % size:
+        raise ValueError(f"{what} = {value} is not divisible by the model-parallel size {size}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output features split across the MP group: rank r holds rows
+    r/Nm of each of `parts` blocks (parts=3 keeps q, k and v heads together) and returns its slice
+    of y. Communicates in backward only (f: all-reduce of the input gradient)."""
+
+    def __init__(self, in_features: int, out_features: int, group, generator: torch.Generator,
+                 parts: int = 1, std: float = 0.02, bias: bool = True):
+        super().__init__()
+        self.group, size, rank = group, group_size(group), group_rank(group)
+        _check_divisible("out_features / parts", out_features // parts, size)
+        full = torch.empty(out_features, in_features).normal_(0.0, std, generator=generator)
+        self.weight = _mark(nn.Parameter(_split_rows(full, parts, size, rank)))
+        self.bias = _mark(nn.Parameter(torch.zeros(out_features // size))) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_model_parallel(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input features split across the MP group: rank r holds columns r/Nm
+    and takes its slice of x (a column-parallel layer's output); the partial products are summed
+    (g: one all-reduce in forward), then the replicated bias is added."""
+
+    def __init__(self, in_features: int, out_features: int, group, generator: torch.Generator,
+                 std: float = 0.02):
+        super().__init__()
+        self.group, size, rank = group, group_size(group), group_rank(group)
+        _check_divisible("in_features", in_features, size)
+        full = torch.empty(out_features, in_features).normal_(0.0, std, generator=generator)
+        self.weight = _mark(nn.Parameter(full.chunk(size, dim=1)[rank].contiguous()))
+        self.bias = nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_model_parallel(F.linear(x, self.weight), self.group) + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose vocabulary rows are split across the MP group: each rank looks up the
+    tokens in its range (zeros elsewhere) and g sums the pieces (one all-reduce in forward)."""
+
+    def __init__(self, vocab_size: int, dim: int, group, generator: torch.Generator, std: float = 0.02):
+        super().__init__()
+        self.group, size, rank = group, group_size(group), group_rank(group)
+        _check_divisible("vocab_size", vocab_size, size)
+        self.rows = vocab_size // size
+        self.first = rank * self.rows
+        full = torch.empty(vocab_size, dim).normal_(0.0, std, generator=generator)
+        self.weight = _mark(nn.Parameter(full[self.first:self.first + self.rows].clone()))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.first
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from_model_parallel(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy per token from logits split over the vocabulary (rank r: columns
+    [first, first + V/Nm)): three all-reduces of one value per token (max, sum of exponentials,
+    target logit) instead of gathering batch x seq x V logits."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, first, group):
+        logits = logits.float()
+        top = logits.max(dim=-1).values
+        if group_size(group) > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - top.unsqueeze(-1)
+        local = targets - first
+        outside = (local < 0) | (local >= logits.shape[-1])
+        local = local.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        if group_size(group) > 1:
+            both = torch.stack([target_logit, sum_exp])
+            dist.all_reduce(both, group=group)
+            target_logit, sum_exp = both[0], both[1]
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, outside = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits.scatter_add_(-1, local.unsqueeze(-1), (outside.float() - 1.0).unsqueeze(-1))
+        return grad_logits * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, first: int, group) -> torch.Tensor:
+    """Per-token cross-entropy (fp32) of `targets` under logits whose last dimension is this rank's
+    vocabulary slice starting at token `first`."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, first, group)
