@@ -13,7 +13,9 @@ measured, the value, what it must be, pass/fail) with the GPU's name. The checks
 * pinned saves: device memory added at peak by ``save_checkpoint`` (must be far below the state it
   writes) and the CUDA RNG state restored by ``load_checkpoint``;
 * ``full_state_dict(device="cpu")``: device memory added at peak (at most about one group);
-* ``close()``: a new engine trains after the old one is closed.
+* ``close()``: a new engine trains after the old one is closed;
+* activation checkpoints: device memory after a forward with plain checkpoints against Pa+cpu (the
+  slices in pinned host memory), beside the engine's own report.
 
 Usage: ``python experiments/gpu_engine_check.py --out results/gpu`` (``--device cpu`` runs the same
 checks on gloo, for trying the script without a GPU; the stream and sync checks are then skipped).
@@ -146,7 +148,40 @@ def checks(rank: int, world: int, device_type: str) -> list[dict]:
             engine.backward(_loss(engine, batches[2]))
             stepped = engine.step()
             row("close(), then a new engine steps", 2, stepped, "True", stepped)
+    _checkpoint_memory(device, row)
     return rows
+
+
+def _checkpoint_memory(device, row) -> None:
+    """Activation checkpoints on the device after one forward (Nm = 1, so Pa keeps the whole input):
+    device bytes the allocator holds beyond the model, plain against Pa+cpu (pinned host slices)."""
+    import zero_ref
+    from zero_ref.activations import checkpoint_blocks
+    from zero_ref.models import ParallelGPT
+
+    shape = {"n_layer": 8, "n_embd": 256, "n_head": 8, "vocab_size": 512, "n_positions": 256}
+    tokens = torch.randint(0, 512, (8, 256), device=device)
+    live = {}
+    for mode in ("plain", "pa_cpu"):
+        model = ParallelGPT(**shape).to(device)
+        checkpoint_blocks(model.blocks, mode)
+        with zero_ref.initialize(model, zero_ref.ZeroConfig(stage=2)) as engine:
+            base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            loss = engine(tokens)
+            added = torch.cuda.memory_allocated(device) - base if device.type == "cuda" else 0
+            live[mode] = added, engine.memory_report()
+            engine.backward(loss)
+            engine.step()
+    expected = shape["n_layer"] * tokens.numel() * shape["n_embd"] * 4
+    (plain, plain_report), (offloaded, offload_report) = live["plain"], live["pa_cpu"]
+    row("checkpoint bytes (engine report): plain / pa_cpu device / pa_cpu host", 2,
+        f"{plain_report['activation_checkpoints']} / {offload_report['activation_checkpoints']} / "
+        f"{offload_report['activation_checkpoints_host']}", f"{expected} / 0 / {expected}",
+        (plain_report["activation_checkpoints"], offload_report["activation_checkpoints"],
+         offload_report["activation_checkpoints_host"]) == (expected, 0, expected))
+    if device.type == "cuda":
+        row("device bytes after forward: plain minus pa_cpu", 2, plain - offloaded, f"= {expected} (L x b x s x h fp32)",
+            abs(plain - offloaded - expected) <= 0.02 * expected)
 
 
 def _count_syncs(step) -> int:

@@ -74,8 +74,15 @@ def _kernels(out: Path, quick: bool, quiet: bool) -> dict:
     return {"headline": headline, "meta": {}}
 
 
+def _zero_r(out: Path, quick: bool, quiet: bool) -> dict:
+    from experiments.zero_r_study import run_study
+
+    return run_study(out, quick, quiet)
+
+
 STUDIES = {
     "memory": ("Memory and model size: Table 1, Figure 1, Table 2, Sec 10.4 (Fig 4's sizes)", _memory),
+    "zero_r": ("ZeRO-R: partitioned activation checkpoints (Pa, Pa+cpu), Sec 6.1 and Sec 8", _zero_r),
     "bench_step": ("Step time of every stage against DDP (project targets; the paper's 2Ψ/3Ψ volumes are in "
                    "comm_stats)", _step_time),
     "kernels": ("Fused optimizer-step kernels (Triton rows need CUDA)", _kernels),
@@ -104,7 +111,10 @@ def write_report(out: Path, sections: list[tuple[str, str, dict]], meta: dict) -
              "the stated allowances), **real run** (gloo ranks on this CPU). Each study's own REPORT.md gives "
              "every cell, the assumptions and the allowances.", ""]
     for folder, title, result in sections:
-        lines += [f"## {title}", "", f"Details: [{folder}/REPORT.md]({folder}/REPORT.md).", "",
+        earlier = result.get("earlier")
+        note = (f" From an earlier run (`{earlier['command']}` at git `{earlier['git_revision']}` on "
+                f"{earlier['date_utc']}), not rerun this time." if earlier else "")
+        lines += [f"## {title}", "", f"Details: [{folder}/REPORT.md]({folder}/REPORT.md).{note}", "",
                   "| paper table / figure | paper | ours | error | how ours was obtained |", "|---|---|---|---|---|"]
         for row in result["headline"]:
             lines.append("| " + " | ".join(_cell(row[k]) for k in ("item", "paper", "ours", "error", "how")) + " |")
@@ -120,14 +130,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="the short version (about a minute)")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="results folder (default: results/)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    parser.add_argument("--only", choices=sorted(STUDIES), nargs="+", help="run only these studies")
+    parser.add_argument("--only", choices=sorted(STUDIES), nargs="+", help="run only these studies (the others keep their last headline rows in REPORT.md, marked as such)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     sections = []
     names = args.only or [name for name in STUDIES if not (args.quick and name in FULL_ONLY)]
+    ran = {}
     for folder in tqdm(names, desc="studies", disable=args.quiet, file=sys.stderr):
         title, runner = STUDIES[folder]
-        sections.append((folder, title, runner(args.out / folder, args.quick, args.quiet)))
+        ran[folder] = runner(args.out / folder, args.quick, args.quiet)
+        record = {"headline": ran[folder]["headline"], **provenance()}
+        (args.out / folder / "headline.json").write_text(json.dumps(record, indent=1) + "\n")
+    for folder, (title, _) in STUDIES.items():   # studies not run now keep their last headline rows
+        saved = args.out / folder / "headline.json"
+        if folder in ran:
+            sections.append((folder, title, ran[folder]))
+        elif saved.exists():
+            record = json.loads(saved.read_text())
+            sections.append((folder, title, {"headline": record["headline"], "earlier": record}))
     meta = provenance() | {"quick": args.quick, "seconds": round(time.perf_counter() - start, 1), "studies": names}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -152,5 +152,15 @@ def test_reproduce_writes_everything(quick):
     meta = json.loads((quick / "meta.json").read_text())
     assert meta["quick"] and meta["git_revision"] and meta["hardware"]["cores"] >= 1
     report = (quick / "REPORT.md").read_text()
-    for item in ("Table 1", "Figure 1", "1T at Nd=1024", "Table 2 theory", "Fig 4", "real run"):
+    for item in ("Table 1", "Figure 1", "1T at Nd=1024", "Table 2 theory", "Fig 4", "real run", "Sec 8", "Sec 6.1"):
         assert item in report, item
+    zero_r = quick / "zero_r"
+    for name in ("checkpoint_bytes.csv", "comm_per_block.csv", "sec61_100b.csv", "zero_r.png", "REPORT.md",
+                 "headline.json"):
+        assert (zero_r / name).stat().st_size > 0, name
+    checkpoints = pd.read_csv(zero_r / "checkpoint_bytes.csv")
+    kept = (checkpoints.device_bytes + checkpoints.host_bytes).groupby(checkpoints["mode"]).max()
+    assert kept["pa"] * 2 == kept["plain"] == kept["pa_cpu"] * 2      # MP = 2: half of plain
+    assert (checkpoints[checkpoints["mode"] == "pa_cpu"].device_bytes == 0).all()
+    comm = pd.read_csv(zero_r / "comm_per_block.csv").set_index(["mode", "early_stop"])
+    assert comm.loc[("pa", False), "all_reduce"] == 12 * comm.loc[("pa", False), "all_gather"]   # the paper's 1:12
