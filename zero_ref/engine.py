@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import activations, checkpoint, tensor_parallel
+from . import activations, checkpoint, materialize, tensor_parallel
 from .comm import Comm, CommLedger
 from .config import ZeroConfig
 from .precision import LossScaler
@@ -63,7 +63,7 @@ MEMORY_CATEGORIES = ("params", "grads", "optimizer_states", "buffers", "comm_buf
 
 
 def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.ProcessGroup | None = None,
-               mesh=None) -> "ZeroEngine":
+               mesh=None, *, init_fn=None, state_dict=None, device=None) -> "ZeroEngine":
     """Take ownership of `model` and return the engine that trains it under `config`.
 
     The model is converted (parameters to `config.dtype`) and partitioned in place: its Parameter
@@ -75,6 +75,12 @@ def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.Process
     With model parallelism pass `mesh`, a 2-D DeviceMesh with dimensions named "dp" and "mp"
     (`init_device_mesh("cpu", (Nd, Nm), mesh_dim_names=("dp", "mp"))`): ZeRO shards over "dp" only;
     the model's layers split over "mp" (tensor_parallel.py) and the gradient norm spans both.
+
+    Sharded construction: a model built under `torch.device("meta")` is given its values here, one
+    module at a time, on `device` (default: this rank's CUDA device under NCCL, else the CPU), from
+    `state_dict` (any mapping of names to tensors), `init_fn(module)` or each module's
+    `reset_parameters()`; at stage 3 each rank keeps only its shards, so the full model never
+    exists on any rank (materialize.py).
     """
     if not isinstance(config, ZeroConfig):
         raise TypeError(f"config must be a zero_ref.ZeroConfig, got {type(config).__name__}")
@@ -94,7 +100,19 @@ def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.Process
             raise ValueError(f"mesh must be a 2-D DeviceMesh with dimensions named 'dp' and 'mp', got "
                              f"dimensions {names or None} of shape {tuple(getattr(mesh, 'shape', ()))}")
         process_group, mp_group = mesh.get_group("dp"), mesh.get_group("mp")
-    return ZeroEngine(model, config, process_group, mp_group)
+    materializer = None
+    backend = str(dist.get_backend_config(process_group) if hasattr(dist, "get_backend_config")
+                  else dist.get_backend(process_group))
+    # a fake process group (at_scale.py) runs the engine on meta tensors on purpose: nothing to materialise
+    if materialize.has_meta_tensors(model) and "fake" not in backend:
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        materializer = materialize.Materializer(model, device, init_fn, state_dict)
+    elif init_fn is not None or state_dict is not None:
+        raise ValueError("init_fn and state_dict are for models built on the meta device (sharded construction); "
+                         "this model already has values (load a state dict into it before initialize, or use "
+                         "engine.load_checkpoint)")
+    return ZeroEngine(model, config, process_group, mp_group, materializer)
 
 
 class ZeroEngine:
@@ -106,7 +124,7 @@ class ZeroEngine:
     """
 
     def __init__(self, model: nn.Module, config: ZeroConfig, process_group: dist.ProcessGroup | None,
-                 mp_group: dist.ProcessGroup | None = None):
+                 mp_group: dist.ProcessGroup | None = None, materializer: materialize.Materializer | None = None):
         self.module = model
         self.config = config
         self.dtype = config.torch_dtype
@@ -121,17 +139,26 @@ class ZeroEngine:
             if mp_group is not None and dist.get_world_size(mp_group) > 1 else None
         self.closed = False
         _check_same_model_everywhere(model, self.comm)
+        trainable = [p for p in params if p.requires_grad]
+        self.frozen = [p for p in params if not p.requires_grad]
+        sharded_construction = materializer is not None and config.stage == 3
+        if materializer is not None:
+            self._start_from_rank0_rng(device)
+            if sharded_construction:   # the stage keeps its shards of each module's values as they appear
+                self.stage: Stage = Stage3(model, trainable, config, self.comm, materializer)
+            else:
+                materializer.run()
         with torch.no_grad():
-            self.frozen = [p for p in params if not p.requires_grad]
             cast = [*self.frozen, *(model.buffers() if config.cast_buffers else ())]
             for tensor in cast:
                 if tensor.is_floating_point():
                     tensor.data = tensor.data.to(self.dtype)
             if self.comm.world_size > 1:   # every rank starts from rank 0's model
-                for tensor in [*params, *model.buffers()]:
+                whole = [*self.frozen, *model.buffers()] if sharded_construction else [*params, *model.buffers()]
+                for tensor in whole:
                     self.comm.broadcast(tensor.data, 0, in_step=False)
-        trainable = [p for p in params if p.requires_grad]
-        self.stage: Stage = _make_stage(model, trainable, config, self.comm)
+        if not sharded_construction:
+            self.stage = _make_stage(model, trainable, config, self.comm)
         self.scaler = LossScaler(enabled=self.dtype == torch.float16, scale=config.initial_loss_scale,
                                  growth_interval=config.loss_scale_growth_interval,
                                  min_scale=config.min_loss_scale)
@@ -139,6 +166,18 @@ class ZeroEngine:
         self.micro_step = 0   # backwards since the last step
         self.global_step = 0
         self._skipped_steps = 0
+
+    def _start_from_rank0_rng(self, device: torch.device) -> None:
+        """Sharded construction draws initial values on every rank: start them all from rank 0's RNG."""
+        if self.comm.world_size == 1:
+            return
+        states = {"cpu": torch.get_rng_state()}
+        if device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(device)
+        states = self.comm.all_gather_object(states)[0]
+        torch.set_rng_state(states["cpu"])
+        if "cuda" in states:
+            torch.cuda.set_rng_state(states["cuda"], device)
 
     # --- the training step -----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -102,7 +102,8 @@ class UnitState(enum.Enum):
 class Stage3(Stage):
     """Full parameter partitioning with per-unit gather, prefetch and release."""
 
-    def __init__(self, model: nn.Module, trainable: list[nn.Parameter], config: ZeroConfig, comm: Comm):
+    def __init__(self, model: nn.Module, trainable: list[nn.Parameter], config: ZeroConfig, comm: Comm,
+                 materializer=None):
         super().__init__(trainable, config, comm)
         self.model = model
         units = build_units(model, trainable, config.bucket_numel)
@@ -110,15 +111,21 @@ class Stage3(Stage):
         self.layout = GroupLayout(self.groups)
         self.unit_names = [_module_name(model, root) for root, _ in units]
 
-        # Keep only this rank's shard of each unit; the full buffers start freed.
-        self.flat_param_shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        # Keep only this rank's shard of each unit; the full buffers start freed. A model on the
+        # meta device (sharded construction) hands over each module's values as they are made.
+        self.flat_param_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
         self.param_shards = [self.layout.shard_slice(self.flat_param_shard, g) for g in range(len(self.groups))]
+        if materializer is not None:
+            where = {id(p): (g, start, end) for g, group in enumerate(self.groups)
+                     for p, start, end in group.param_ranges()}
+            materializer.run(take=lambda param: self._keep_own_pieces(param, *where[id(param)]))
         self.full_params: list[torch.Tensor] = []
         for g, group in enumerate(self.groups):
             full = torch.empty(group.padded_numel, dtype=self.dtype, device=self.device)
-            copy_params_into(group, full, self.kernels.flatten_)
-            lo, hi = group.shard_range(self.rank)
-            self.param_shards[g].copy_(full[lo:hi])
+            if materializer is None:
+                copy_params_into(group, full, self.kernels.flatten_)
+                lo, hi = group.shard_range(self.rank)
+                self.param_shards[g].copy_(full[lo:hi])
             bind_params_to(group, full)
             full.untyped_storage().resize_(0)
             self.full_params.append(full)
@@ -151,6 +158,15 @@ class Stage3(Stage):
             self.hooks.append(module.register_forward_pre_hook(self._enter))
             self.hooks.append(module.register_forward_hook(self._exit, always_call=True))
         self._mark_shards_written()
+
+    def _keep_own_pieces(self, param: nn.Parameter, g: int, start: int, end: int) -> None:
+        """Sharded construction: copy this rank's piece of a newly made parameter (elements
+        [start, end) of unit g) into the unit's shard, then release the parameter's storage."""
+        lo, hi = self.groups[g].shard_range(self.rank)
+        a, b = max(start, lo), min(end, hi)
+        if a < b:
+            self.param_shards[g][a - lo:b - lo].copy_(param.detach().reshape(-1)[a - start:b - start])
+        param.untyped_storage().resize_(0)
 
     # --- gather and free ---------------------------------------------------------------------------
     def _issue_gather(self, g: int) -> None:
