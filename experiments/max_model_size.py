@@ -74,6 +74,7 @@ class Case:
     nd: int
     nm: int
     batch: int
+    checkpoints: str = "plain"   # "plain" (replicated on the MP ranks), "pa" (1/Nm each), "pa_cpu" (on the host)
 
 
 def per_gpu_bytes(shape: ModelShape, case: Case, a: Assumptions) -> dict[str, float]:
@@ -84,7 +85,8 @@ def per_gpu_bytes(shape: ModelShape, case: Case, a: Assumptions) -> dict[str, fl
         buffers = 4 * local if a.baseline_fp32_grads else 0.0
     else:
         buffers = a.cb_buffers * a.cb_numel * 4
-    checkpoints = 2 * mm.activation_values(shape.hidden, case.batch, a.seq, shape.layers, checkpointing=True)
+    checkpoints = 0 if case.checkpoints == "pa_cpu" else 2 * mm.activation_values(
+        shape.hidden, case.batch, a.seq, shape.layers, checkpointing=True, nm=case.nm, pa=case.checkpoints == "pa")
     recompute = 2 * mm.activation_values(shape.hidden, case.batch, a.seq, 1)
     logits = 6 * case.batch * a.seq * shape.vocab / case.nm
     terms = {"states": states, "buffers": buffers, "activations": checkpoints + recompute + logits}
@@ -109,10 +111,10 @@ def deepest_fitting(hidden: int, heads: int, case: Case, a: Assumptions) -> Mode
     return ModelShape(low, hidden, heads, a.vocab, a.seq)
 
 
-def largest_model(case: Case, a: Assumptions) -> tuple[ModelShape, dict[str, float]] | None:
+def largest_model(case: Case, a: Assumptions, family=FAMILY) -> tuple[ModelShape, dict[str, float]] | None:
     """The largest model of the family that fits, and its per-GPU terms."""
     best = None
-    for hidden, heads in FAMILY:
+    for hidden, heads in family:
         if hidden % case.nm or heads % case.nm:
             continue
         shape = deepest_fitting(hidden, heads, case, a)
@@ -175,6 +177,33 @@ def search_rows(a: Assumptions | None = None) -> list[dict]:
             "activations_gb": terms["activations"] / mm.GB, "total_gb": terms["total"] / mm.GB,
             "usable_gb": a.usable_bytes() / mm.GB,
         })
+    return rows
+
+
+FIG6_GPUS, FIG6_NM, FIG6_BATCH = 400, 16, 16
+"""Fig 6's setting: 400 GPUs at MP 16 (Nd = 25), batch 16 per model-parallel group (appendix)."""
+
+FIG6_FAMILY = ((6144, 64), (8192, 64))
+"""Fig 6's runs are 50/62/175/187 x 8192 and 132 x 6144 (appendix): the search keeps those widths
+(wider choices would let C5, with no checkpoints on the GPU, pick thousands of narrow layers)."""
+
+
+def fig6_rows(a: Assumptions | None = None) -> list[dict]:
+    """The largest model per configuration C1-C5 (Fig 6), our search beside the paper's."""
+    from experiments.paper_values import FIG6_B
+    from zero_ref.presets import PAPER_CONFIGS
+
+    a = a or Assumptions()
+    rows = []
+    for name, preset in PAPER_CONFIGS.items():
+        case = Case(f"Fig 6 {name}", preset.stage, FIG6_GPUS // FIG6_NM, FIG6_NM, FIG6_BATCH, preset.checkpoints)
+        shape, terms = largest_model(case, a, FIG6_FAMILY)
+        rows.append({"config": name, "stage": preset.stage, "checkpoints": preset.checkpoints,
+                     "paper_b": FIG6_B[name], "ours_b": shape.params / 1e9, "ours_shape": shape.label(),
+                     "layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads,
+                     "error_pct": 100 * (shape.params / 1e9 - FIG6_B[name]) / FIG6_B[name],
+                     "states_gb": terms["states"] / mm.GB, "activations_gb": terms["activations"] / mm.GB,
+                     "total_gb": terms["total"] / mm.GB, "fragmentation": a.fragmentation})
     return rows
 
 

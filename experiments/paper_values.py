@@ -46,3 +46,8 @@ TABLE2_MEASURED_B = {1: (1.3, 6.2), 2: (2.5, 12.5), 4: (5, 25), 8: (10, 50), 16:
 NO_MP_B = {0: 1.4, 2: 13.0}
 """Sec 1 / 10.4 / Fig 4, 128 GPUs, no MP: PyTorch DDP's largest model (baseline) and ZeRO-100B's
 (Pos+g with ZeRO-R)."""
+
+FIG6_B = {"C1": 40, "C2": 60, "C3": 50, "C4": 140, "C5": 150}
+"""Fig 6 (Sec 10.5): the largest model trainable under C1-C5 at MP 16 on 400 GPUs, batch 16 per
+model-parallel group. C1, C2, C4 and C5 are stated in the text; C3 = 50B is inferred (the only size
+of the appendix's max-model-size table not assigned to another configuration)."""

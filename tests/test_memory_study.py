@@ -155,12 +155,21 @@ def test_reproduce_writes_everything(quick):
     for item in ("Table 1", "Figure 1", "1T at Nd=1024", "Table 2 theory", "Fig 4", "real run", "Sec 8", "Sec 6.1"):
         assert item in report, item
     zero_r = quick / "zero_r"
-    for name in ("checkpoint_bytes.csv", "comm_per_block.csv", "sec61_100b.csv", "zero_r.png", "REPORT.md",
-                 "headline.json"):
+    for name in ("checkpoint_bytes.csv", "comm_per_block.csv", "sec61_100b.csv", "fig6.csv", "cb.csv",
+                 "cb_analysis.csv", "zero_r.png", "fig6.png", "REPORT.md", "headline.json"):
         assert (zero_r / name).stat().st_size > 0, name
     checkpoints = pd.read_csv(zero_r / "checkpoint_bytes.csv")
     kept = (checkpoints.device_bytes + checkpoints.host_bytes).groupby(checkpoints["mode"]).max()
     assert kept["pa"] * 2 == kept["plain"] == kept["pa_cpu"] * 2      # MP = 2: half of plain
     assert (checkpoints[checkpoints["mode"] == "pa_cpu"].device_bytes == 0).all()
+    cb = pd.read_csv(zero_r / "cb.csv").pivot(index="psi", columns="scheme", values="comm_buffer_bytes")
+    small, large = cb.index.min(), cb.index.max()
+    assert cb.loc[small, "CB"] == cb.loc[large, "CB"]                      # constant as Ψ grows ~9x
+    assert cb.loc[large, "flatten everything"] >= 4 * large > 4 * small >= cb.loc[small, "CB"]
+    fig6 = pd.read_csv(zero_r / "fig6.csv")
+    assert set(fig6.config) == {"C1", "C2", "C3", "C4", "C5"} and len(fig6) == 15   # 3 fragmentation shares
+    for _, at in fig6.groupby("fragmentation"):   # less kept on the GPU, larger models: C1 < C2, C3 < C4 < C5
+        size = at.set_index("config").ours_b
+        assert size["C1"] < size["C2"] and size["C3"] < size["C4"] < size["C5"]
     comm = pd.read_csv(zero_r / "comm_per_block.csv").set_index(["mode", "early_stop"])
     assert comm.loc[("pa", False), "all_reduce"] == 12 * comm.loc[("pa", False), "all_gather"]   # the paper's 1:12

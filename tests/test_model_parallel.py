@@ -220,3 +220,12 @@ def test_bad_layouts_are_refused_with_the_reason():
     checkpoint_blocks(model.blocks, "plain")
     with pytest.raises(ValueError, match="already checkpointed"):
         checkpoint_blocks(model.blocks, "pa")
+
+
+def test_paper_configs_are_table_3():
+    import zero_ref
+
+    table3 = {name: (p.stage, p.checkpoints) for name, p in zero_ref.PAPER_CONFIGS.items()}
+    assert table3 == {"C1": (1, "plain"), "C2": (1, "pa"), "C3": (2, "plain"), "C4": (2, "pa"), "C5": (2, "pa_cpu")}
+    config = zero_ref.PAPER_CONFIGS["C4"].zero_config(dtype="bf16", bucket_numel=1024)
+    assert (config.stage, config.dtype, config.bucket_numel) == (2, "bf16", 1024)

@@ -8,6 +8,7 @@
 
 from .config import ZeroConfig
 from .engine import ZeroEngine, initialize
+from .presets import PAPER_CONFIGS, PaperConfig
 
-__all__ = ["ZeroConfig", "ZeroEngine", "initialize"]
+__all__ = ["PAPER_CONFIGS", "PaperConfig", "ZeroConfig", "ZeroEngine", "initialize"]
 __version__ = "0.1.0"
