@@ -48,8 +48,9 @@ def _tokens(step: int, batch: int) -> torch.Tensor:
 def measure_configs(rank: int, world: int, mp: int) -> list[dict]:
     """Each of the paper's C1-C5 (zero_ref.presets) for two steps on a (dp, mp) mesh: checkpoint
     bytes after the first forward, model states by category after the step."""
-    import zero_ref
     from torch.distributed.device_mesh import init_device_mesh
+
+    import zero_ref
     from zero_ref.activations import checkpoint_blocks
     from zero_ref.models import ParallelGPT
 

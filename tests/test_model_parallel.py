@@ -156,10 +156,10 @@ def test_mp2_dp2_matches_unsplit_model_every_stage_and_checkpoint_mode(tmp_path)
 def count_per_block(rank: int, world: int):
     """Elements moved by one forward + backward of the MP=2 model with 1 and with 2 blocks, counted
     below zero-ref (c10d ops): the difference is what one block moves."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
     from zero_ref.activations import checkpoint_blocks
     from zero_ref.models import ParallelGPT
-
-    from torch.utils.checkpoint import set_checkpoint_early_stop
 
     group = dist.group.WORLD
     moved = {}
@@ -177,8 +177,9 @@ def count_per_block(rank: int, world: int):
 
 def mesh_errors() -> list[str]:
     """What initialize says about a mesh it cannot use (world 2)."""
-    import zero_ref
     from torch.distributed.device_mesh import init_device_mesh
+
+    import zero_ref
     from zero_ref.models import ParallelGPT
 
     errors = []

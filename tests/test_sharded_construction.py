@@ -54,8 +54,9 @@ def train(engine, rank, world):
 
 def build(rank, world, stage, how, source=None):
     """(engine, peak bytes while building and initialising) for one way of building the model."""
-    import zero_ref
     from torch.distributed._tools.mem_tracker import MemTracker
+
+    import zero_ref
 
     cfg = zero_ref.ZeroConfig(stage=stage, dtype="bf16", lr=1e-2, kernels="torch", bucket_numel=4096)
     tracker = MemTracker()
