@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero_ref.collective_count import CountCollectives
 from zero_ref.launch import spawn
 
 SHAPE = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 64, "n_positions": 16}
@@ -153,26 +152,12 @@ def test_mp2_dp2_matches_unsplit_model_every_stage_and_checkpoint_mode(tmp_path)
         assert pa_cpu["activation_checkpoints_host"] == pa["activation_checkpoints"]
 
 
-def count_per_block(rank: int, world: int):
-    """Elements moved by one forward + backward of the MP=2 model with 1 and with 2 blocks, counted
-    below zero-ref (c10d ops): the difference is what one block moves."""
-    from torch.utils.checkpoint import set_checkpoint_early_stop
+def count_and_errors(rank: int, world: int):
+    """Elements moved per block (the ZeRO-R study's count, at the dispatcher, MP = 2) and what
+    initialize says about meshes it cannot use."""
+    from experiments.zero_r_study import count_per_block
 
-    from zero_ref.activations import checkpoint_blocks
-    from zero_ref.models import ParallelGPT
-
-    group = dist.group.WORLD
-    moved = {}
-    for early_stop in (False, True):
-        for mode in ("plain", "pa"):
-            for layers in (1, 2):
-                model = ParallelGPT(**{**SHAPE, "n_layer": layers}, group=group)
-                checkpoints = checkpoint_blocks(model.blocks, mode, group)
-                with CountCollectives() as counter, set_checkpoint_early_stop(early_stop):
-                    model(batches()[0]).backward()
-                moved[early_stop, mode, layers] = dict(counter.moved), checkpoints.gathered_elements
-    moved["errors"] = mesh_errors()
-    return moved
+    return count_per_block(rank, world), mesh_errors()
 
 
 def mesh_errors() -> list[str]:
@@ -194,19 +179,16 @@ def mesh_errors() -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_pa_moves_one_twelfth_of_megatron_per_block():
-    moved = spawn(count_per_block, 2, timeout=100)[0]
-    block_elements = GLOBAL_BATCH * SEQ * SHAPE["n_embd"]
-    for early_stop in (False, True):
-        for mode in ("plain", "pa"):
-            now, before = moved[early_stop, mode, 2], moved[early_stop, mode, 1]
-            per_block = {k: now[0].get(k, 0) - before[0].get(k, 0) for k in ("all_reduce", "all_gather")}
-            # Megatron (the paper's count): 2 all-reduces in forward, 2 again in recomputation, 2 in
-            # backward, 2n each. torch's early stop ends the recomputation before the MLP's output
-            # all-reduce, whose result nothing saved for backward needs: 5 all-reduces, 10n.
-            assert per_block["all_reduce"] == (10 if early_stop else 12) * block_elements, (early_stop, mode, per_block)
-            assert per_block["all_gather"] == (block_elements if mode == "pa" else 0), (early_stop, mode, per_block)
-            assert now[1] - before[1] == per_block["all_gather"]
-    wrong_names, both = moved["errors"]
+    rows, errors = spawn(count_and_errors, 2, timeout=100)[0]
+    assert {(r["early_stop"], r["mode"]) for r in rows} == {(e, m) for e in (False, True) for m in ("plain", "pa")}
+    for r in rows:
+        # Megatron (the paper's count): 2 all-reduces in forward, 2 again in recomputation, 2 in
+        # backward, 2n each. torch's early stop ends the recomputation before the MLP's output
+        # all-reduce, whose result nothing saved for backward needs: 5 all-reduces, 10n.
+        assert r["all_reduce"] == (10 if r["early_stop"] else 12) * r["block_elements"], r
+        assert r["all_gather"] == (r["block_elements"] if r["mode"] == "pa" else 0), r
+        assert r["gathered_by_pa"] == r["all_gather"], r
+    wrong_names, both = errors
     assert "dimensions named 'dp' and 'mp'" in wrong_names and "('a', 'b')" in wrong_names
     assert "not both" in both
 

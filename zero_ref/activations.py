@@ -36,19 +36,18 @@ MODES = ("plain", "pa", "pa_cpu")
 @dataclass
 class ActivationCheckpoints:
     """What the checkpoints of one model hold and move. Bytes are those of live saved inputs, by
-    where they live: `device_bytes` on the model's device, `host_bytes` offloaded (Pa+cpu); peaks
-    since the last `reset_peaks()`. `gathered_elements`: elements all-gathered before recomputation
-    (counted as the paper counts an all-gather: the full tensor's size)."""
+    where they live: `device_bytes` on the model's device, `host_bytes` offloaded (Pa+cpu).
+    `gathered_elements`: elements all-gathered before recomputation (counted as the paper counts
+    an all-gather: the full tensor's size)."""
 
     mode: str
     group: object = None
     device_bytes: int = 0
     host_bytes: int = 0
-    peak_device_bytes: int = 0
-    peak_host_bytes: int = 0
     gathered_elements: int = 0
 
     def _hold(self, tensor: torch.Tensor, host: bool) -> None:
+        """Count `tensor`'s bytes until torch frees it."""
         nbytes = tensor.numel() * tensor.element_size()
         self._add(nbytes, host)
         weakref.finalize(tensor, self._add, -nbytes, host)
@@ -56,13 +55,8 @@ class ActivationCheckpoints:
     def _add(self, nbytes: int, host: bool) -> None:
         if host:
             self.host_bytes += nbytes
-            self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
         else:
             self.device_bytes += nbytes
-            self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
-
-    def reset_peaks(self) -> None:
-        self.peak_device_bytes, self.peak_host_bytes = self.device_bytes, self.host_bytes
 
     # --- the saved-tensor hooks around a checkpointed block (Pa, Pa+cpu) ----------------------------
     def pack(self, full: torch.Tensor):

@@ -167,8 +167,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy per token from logits split over the vocabulary (rank r: columns
-    [first, first + V/Nm)): three all-reduces of one value per token (max, sum of exponentials,
-    target logit) instead of gathering batch x seq x V logits."""
+    [first, first + V/Nm)): two all-reduces of a few values per token (the max; then the sum of
+    exponentials and the target logit together) instead of gathering batch x seq x V logits."""
 
     @staticmethod
     def forward(ctx, logits, targets, first, group):
