@@ -66,7 +66,7 @@ class Block(nn.Module):
 
     def __init__(self, hidden: int, heads: int, mp: int = 1):
         super().__init__()
-        self.heads = heads
+        self.local_heads, self.head_dim = heads // mp, hidden // heads
         self.ln1 = nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden // mp)
         self.proj = nn.Linear(hidden // mp, hidden)
@@ -75,11 +75,11 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * hidden // mp, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.local_heads, self.head_dim).unbind(2)
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, h))
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
         return x + self.fc2(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
@@ -89,8 +89,10 @@ class GPTLike(nn.Module):
     parameters). ``checkpointing`` keeps only each block's input during forward and recomputes the
     block in backward (the paper's activation checkpointing, one checkpoint per layer).
 
-    ``forward(tokens)`` returns logits. It is defined only for ``mp=1``: a model-parallel slice is
-    built for memory accounting, and its forward would need the tensor-parallel collectives.
+    ``forward(tokens)`` returns logits (this rank's vocabulary slice). For ``mp > 1`` it runs on
+    the meta device only, for allocation traces (alloc_trace.py): it leaves out Megatron's
+    all-reduces, which work in place and allocate nothing, so its values would be wrong but its
+    allocations are those of one rank of the model-parallel group.
     """
 
     def __init__(self, layers: int, hidden: int, heads: int, vocab: int, seq: int, mp: int = 1,
@@ -113,8 +115,9 @@ class GPTLike(nn.Module):
                 nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.mp != 1:
-            raise NotImplementedError("a model-parallel slice (mp > 1) is for memory accounting only")
+        if self.mp != 1 and tokens.device.type != "meta":
+            raise NotImplementedError("a model-parallel slice (mp > 1) runs forward on the meta device only "
+                                      "(allocation traces): its values would need the tensor-parallel all-reduces")
         x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.checkpointing and x.requires_grad else block(x)

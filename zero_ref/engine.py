@@ -241,7 +241,9 @@ class ZeroEngine:
         if self.mp_comm is not None:
             stats[0] -= self._replicated_share(optimizer.grad_stats(self._replicated_pieces(grads))[0])
         self._sum_stats(stats)
-        sum_sq, nonfinite, *used = stats.tolist()
+        # meta tensors (the engine at scale, at_scale.py) have no values: step as if every gradient
+        # were present and finite, so that the update makes its real allocations
+        sum_sq, nonfinite, *used = [0.0, 0.0] + [1.0] * (len(stats) - 2) if stats.is_meta else stats.tolist()
         if nonfinite:
             return self._skip_step()
         if not math.isfinite(sum_sq):        # finite gradients whose squares overflow fp32

@@ -27,7 +27,13 @@ from .partition import FlatGroup, GroupLayout
 
 
 def _points_at(param: nn.Parameter, view: torch.Tensor) -> bool:
-    return param.grad is not None and param.grad.data_ptr() == view.data_ptr()
+    grad = param.grad
+    if grad is None or grad.data_ptr() != view.data_ptr():
+        return False
+    if grad.is_meta:             # every meta tensor's data_ptr() is 0: compare storage and offset
+        return (grad.untyped_storage()._cdata == view.untyped_storage()._cdata
+                and grad.storage_offset() == view.storage_offset())
+    return True
 
 
 class FullGradBuffer:
@@ -125,7 +131,8 @@ class BucketPool:
         return buffer[:numel].zero_()
 
     def give(self, view: torch.Tensor, event=None) -> None:
-        buffer = next(b for b in self.buffers if b.data_ptr() == view.data_ptr())
+        storage = view.untyped_storage()._cdata      # not data_ptr(): every meta tensor's is 0
+        buffer = next(b for b in self.buffers if b.untyped_storage()._cdata == storage)
         self.free.append((buffer, event))
 
     def clear(self) -> None:
