@@ -81,7 +81,8 @@ def mp_engine(stage: int, mode, mesh):
 
     model = ParallelGPT(**SHAPE, group=mesh.get_group("mp"))
     if mode:
-        checkpoint_blocks(model.blocks, mode, mesh.get_group("mp"))
+        mode, md, _ = mode.partition("+md")
+        checkpoint_blocks(model.blocks, mode, mesh.get_group("mp"), contiguous=bool(md))
     cfg = zero_ref.ZeroConfig(stage=stage, lr=LR, weight_decay=0.01, grad_clip=CLIP, kernels="torch",
                               bucket_numel=1000)
     return zero_ref.initialize(model, cfg, mesh=mesh)
@@ -89,7 +90,10 @@ def mp_engine(stage: int, mode, mesh):
 
 def run_steps(engine, dp, steps):
     """Train on `steps` of the global batches; the global mean loss of each step and the memory
-    report taken after the first forward (checkpoints alive)."""
+    report taken after the first forward (checkpoints alive), with the MD arena's buffers made
+    and misses so far when there is one."""
+    from zero_ref.activations import model_checkpoints
+
     losses, reports = [], []
     for tokens in steps:
         loss = engine(tokens.chunk(2)[dist.get_rank(dp)])
@@ -99,6 +103,8 @@ def run_steps(engine, dp, steps):
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss, group=dp)
         losses.append(global_loss.item() / 2)
+    arenas = [c.arena for c in model_checkpoints(engine.module) if c.arena is not None]
+    reports[0]["arena"] = [(a.allocations, a.misses) for a in arenas]
     return losses, reports[0]
 
 
@@ -136,7 +142,8 @@ def train_mp(rank: int, world: int, modes, stages, folder):
 
 @pytest.mark.timeout(300)
 def test_mp2_dp2_matches_unsplit_model_every_stage_and_checkpoint_mode(tmp_path):
-    results = spawn(train_mp, 4, (None, "plain", "pa", "pa_cpu"), (1, 2, 3), str(tmp_path), timeout=280)
+    modes = (None, "plain", "pa", "pa_cpu", "plain+md", "pa+md", "pa_cpu+md")
+    results = spawn(train_mp, 4, modes, (1, 2, 3), str(tmp_path), timeout=280)
     for rank_results in results:
         errors = {key: value[:2] for key, value in rank_results.items()}
         assert all(e < 1e-5 for pair in errors.values() for e in pair), errors
@@ -150,6 +157,43 @@ def test_mp2_dp2_matches_unsplit_model_every_stage_and_checkpoint_mode(tmp_path)
         assert pa["activation_checkpoints"] * 2 == plain["activation_checkpoints"]
         assert pa_cpu["activation_checkpoints"] == 0
         assert pa_cpu["activation_checkpoints_host"] == pa["activation_checkpoints"]
+        # MD: the same bytes, in one arena made on the first forward and reused by every step
+        for stage in (1, 2, 3):
+            for mode in ("plain", "pa", "pa_cpu"):
+                md = rank_results[stage, mode + "+md"][2]
+                assert md["arena"] == [(1, 0)], (stage, mode, md["arena"])
+                assert (md["activation_checkpoints"], md["activation_checkpoints_host"]) == \
+                    (rank_results[1, mode][2]["activation_checkpoints"], rank_results[1, mode][2]["activation_checkpoints_host"])
+
+
+def meta_and_eager(rank: int, world: int):
+    """Stage 3 on MP=2 x DP=2, the model built on the meta device (values given layer by layer by
+    initialize) and built eagerly: losses and weights after 3 steps, and the weights at start."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import zero_ref
+    from zero_ref.models import ParallelGPT
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "mp"))
+    out = {}
+    for how in ("meta", "eager"):
+        with torch.device("meta" if how == "meta" else "cpu"):
+            model = ParallelGPT(**SHAPE, group=mesh.get_group("mp"))
+        cfg = zero_ref.ZeroConfig(stage=3, lr=LR, kernels="torch", bucket_numel=1000)
+        with zero_ref.initialize(model, cfg, mesh=mesh) as engine:
+            start = engine.full_state_dict()
+            losses = run_steps(engine, mesh.get_group("dp"), batches()[:3])[0]
+            out[how] = start, losses, engine.full_state_dict()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_model_parallel_model_built_on_meta_trains_like_the_eager_one():
+    for result in spawn(meta_and_eager, 4, timeout=100):
+        (meta_start, meta_losses, meta_end), (eager_start, eager_losses, eager_end) = result["meta"], result["eager"]
+        assert all(torch.equal(meta_start[k], eager_start[k]) for k in eager_start)
+        assert meta_losses == eager_losses
+        assert all(torch.equal(meta_end[k], eager_end[k]) for k in eager_end)
 
 
 def count_and_errors(rank: int, world: int):

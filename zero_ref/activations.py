@@ -10,27 +10,92 @@ paper's Pa (Sec 6.1) keeps one slice per rank instead:
               1/Nm of it (Pa+cpu: in host memory, pinned on CUDA) and lets the full tensor go
     backward  just before the block is recomputed, unpack all-gathers the slices over the MP group
               (one all-gather of batch x seq x hidden per block, against Megatron's 12x in
-              all-reduces) and checkpoint recomputes the block from the rebuilt input
+              all-reduces) and checkpoint recomputes the block from the rebuilt input; Pa+cpu
+              brings its slice back from the host first, and meanwhile starts copying back the
+              slice of the block backward reaches next (a side stream on CUDA: the copy overlaps
+              this block's recomputation)
 
 Checkpoint memory per rank falls from L x batch x seq x hidden to 1/Nm of it (Pa), or to nothing
 on the accelerator (Pa+cpu). `ActivationCheckpoints` counts the live bytes and the elements
 gathered; the engine's memory report includes them.
+
+MD (the paper's memory defragmentation, Sec 6.3), `contiguous=True`: checkpoints live for a whole
+forward and backward, while everything computed between them lives for one block. Allocated as
+they come, the long-lived ones sit between short-lived ones and split the free memory into holes.
+A `CheckpointArena` is one buffer with a slot per block, allocated on the first forward and reused
+every step: each block's kept input (whole, or this rank's slice) is copied into its slot, so the
+short-lived tensors have the rest of memory to themselves. (Gradients already live in flat,
+preallocated buffers at every stage: grad_buffers.py.)
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .comm import all_gather_tensor
+from .comm import SideStream, all_gather_tensor
 from .tensor_parallel import group_rank, group_size
 
 MODES = ("plain", "pa", "pa_cpu")
+
+
+class CheckpointArena:
+    """MD: one contiguous buffer holding a slot per checkpointed block, allocated when the first
+    forward shows the slot's size and reused by every later one.
+
+    A slot is taken when a block saves its input and given back when autograd frees what it saved
+    (after backward, or when the graph is dropped). When every slot is taken (a second forward
+    before the first one's backward) or the input outgrew its slot while some slot is taken, the
+    checkpoint gets a tensor of its own instead (`misses` counts them): never a slot that is
+    still in use. When all slots are free a larger input replaces the buffer."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.buffer: torch.Tensor | None = None
+        self.slot_numel = 0
+        self.taken = [False] * slots
+        self.misses = 0
+        self.allocations = 0                       # buffers made so far (1 when the inputs keep their size)
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device, pinned: bool):
+        """(slot index, a tensor of `numel` elements in it), or (None, None) on a miss."""
+        fits = (self.buffer is not None and numel <= self.slot_numel and self.buffer.dtype == dtype
+                and self.buffer.device == device)
+        if not fits and not any(self.taken):
+            self.buffer = None                     # let the old buffer go before making the new one
+            self.buffer = torch.empty(self.slots * numel, dtype=dtype, device=device, pin_memory=pinned)
+            self.slot_numel, fits = numel, True
+            self.allocations += 1
+        if not fits or all(self.taken):
+            self.misses += 1
+            return None, None
+        slot = self.taken.index(False)
+        self.taken[slot] = True
+        start = slot * self.slot_numel
+        return slot, self.buffer[start:start + numel]
+
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
+
+    def give_back(self, slot: int) -> None:
+        self.taken[slot] = False
+
+
+class _Kept:
+    """What a checkpointed block keeps of its input: its `shape` and `device`, and `kept`, this
+    rank's slice (Pa) or all of it (plain), flat. Given to autograd in place of the input.
+    Pa+cpu: `on_device` is the slice copied back ahead of time, `ready` the copy's CUDA event."""
+
+    __slots__ = ("shape", "device", "kept", "on_device", "ready", "__weakref__")
+
+    def __init__(self, shape: torch.Size, device: torch.device, kept: torch.Tensor):
+        self.shape, self.device, self.kept = shape, device, kept
+        self.on_device = self.ready = None
 
 
 @dataclass
@@ -38,13 +103,21 @@ class ActivationCheckpoints:
     """What the checkpoints of one model hold and move. Bytes are those of live saved inputs, by
     where they live: `device_bytes` on the model's device, `host_bytes` offloaded (Pa+cpu).
     `gathered_elements`: elements all-gathered before recomputation (counted as the paper counts
-    an all-gather: the full tensor's size)."""
+    an all-gather: the full tensor's size). With an `arena` (MD) the bytes are the arena's
+    whole buffer, from its allocation on, plus any checkpoint that missed it. `prefetched`:
+    Pa+cpu slices copied back to the device while the block after them recomputed;
+    `host_traffic_bytes`: Pa+cpu's bytes copied to the host and back."""
 
     mode: str
     group: object = None
+    arena: CheckpointArena | None = None
     device_bytes: int = 0
     host_bytes: int = 0
     gathered_elements: int = 0
+    host_traffic_bytes: int = 0
+    prefetched: int = 0
+    _offloaded: list = field(default_factory=list, repr=False)    # weak refs to Pa+cpu's _Kept, packing order
+    _copy_stream: SideStream | None = field(default=None, repr=False)
 
     def _hold(self, tensor: torch.Tensor, host: bool) -> None:
         """Count `tensor`'s bytes until torch frees it."""
@@ -58,36 +131,84 @@ class ActivationCheckpoints:
         else:
             self.device_bytes += nbytes
 
-    # --- the saved-tensor hooks around a checkpointed block (Pa, Pa+cpu) ----------------------------
+    # --- the saved-tensor hooks around a checkpointed block ------------------------------------------
     def pack(self, full: torch.Tensor):
-        """Keep this rank's slice of a block input (padded to ceil(n / Nm) elements)."""
+        """Keep this rank's slice of a block input (Pa: padded to ceil(n / Nm) elements; plain:
+        all of it), in the arena's slot when there is one (MD), in host memory for Pa+cpu."""
         if not full.is_floating_point():
             return full
-        size, rank = group_size(self.group), group_rank(self.group)
+        size, rank = (1, 0) if self.mode == "plain" else (group_size(self.group), group_rank(self.group))
         chunk = math.ceil(full.numel() / size)
         flat = full.detach().reshape(-1)
-        mine = flat.new_zeros(chunk)
         piece = flat[rank * chunk:(rank + 1) * chunk]
-        mine[:piece.numel()] = piece
-        if self.mode == "pa_cpu":
-            host = torch.empty(chunk, dtype=mine.dtype, pin_memory=mine.is_cuda)
-            mine = host.copy_(mine, non_blocking=mine.is_cuda)
-        self._hold(mine, host=self.mode == "pa_cpu")
-        return full.shape, full.device, mine
+        host = self.mode == "pa_cpu"
+        device = torch.device("cpu") if host else full.device
+        slot, kept = None, None
+        if self.arena is not None:
+            allocations = self.arena.allocations
+            slot, kept = self.arena.take(chunk, full.dtype, device, host and full.is_cuda)
+            if self.arena.allocations != allocations:
+                self._hold(self.arena.buffer, host)
+        if kept is None:
+            kept = torch.empty(chunk, dtype=full.dtype, device=device, pin_memory=host and full.is_cuda)
+            self._hold(kept, host)
+        if not full.is_meta:             # the engine at scale: no values to keep (Pa+cpu: host memory unused)
+            kept[:piece.numel()].copy_(piece, non_blocking=host and full.is_cuda)
+            kept[piece.numel():].zero_()
+        packed = _Kept(full.shape, full.device, kept)
+        if slot is not None:
+            weakref.finalize(packed, self.arena.give_back, slot)
+        if host:
+            self._offloaded = [ref for ref in self._offloaded if ref() is not None] + [weakref.ref(packed)]
+            self.host_traffic_bytes += kept.numel() * kept.element_size()
+        return packed
 
     def unpack(self, packed) -> torch.Tensor:
-        """All-gather the slices of the MP group back into the full block input."""
+        """All-gather the slices of the MP group back into the full block input (plain: a copy,
+        so that nothing outside autograd's use of it points into the arena)."""
         if isinstance(packed, torch.Tensor):
             return packed
-        shape, device, mine = packed
-        mine = mine.to(device, non_blocking=True)
-        gathered = mine.new_empty(mine.numel() * group_size(self.group))
+        kept = self._on_device(packed)
+        if self.mode == "pa_cpu":
+            self.host_traffic_bytes += kept.numel() * kept.element_size()
+            self._prefetch_before(packed)
+        if self.mode == "plain":
+            return kept.view(packed.shape).clone()
+        gathered = kept.new_empty(kept.numel() * group_size(self.group))
         if group_size(self.group) > 1:
-            all_gather_tensor(gathered, mine, group=self.group)
+            all_gather_tensor(gathered, kept, group=self.group)
         else:
-            gathered.copy_(mine)
+            gathered.copy_(kept)
         self.gathered_elements += gathered.numel()
-        return gathered[:math.prod(shape)].view(shape)
+        return gathered[:math.prod(packed.shape)].view(packed.shape)
+
+
+    def _on_device(self, packed: _Kept) -> torch.Tensor:
+        """The kept slice on the model's device: the prefetched copy (once its copy is done) or a
+        copy made now."""
+        if packed.on_device is None:
+            return packed.kept.to(packed.device, non_blocking=True)
+        on_device, packed.on_device = packed.on_device, None
+        if packed.ready is not None:
+            current = torch.cuda.current_stream(packed.device)
+            current.wait_event(packed.ready)
+            on_device.record_stream(current)      # made on the side stream, used on this one
+        return on_device
+
+    def _prefetch_before(self, packed: _Kept) -> None:
+        """Pa+cpu's overlap: backward recomputes blocks in reverse, so while this block recomputes,
+        copy back the slice packed just before this one, on a side stream (CUDA)."""
+        order = [ref() for ref in self._offloaded]
+        i = next((k for k in range(len(order) - 1, -1, -1) if order[k] is packed), 0)
+        previous = order[i - 1] if i > 0 else None
+        if previous is None or previous.on_device is not None:
+            return
+        if self._copy_stream is None:
+            self._copy_stream = SideStream(previous.device)
+        with self._copy_stream.after_current():   # after the forward's copy to the host was queued
+            previous.on_device = previous.kept.to(previous.device, non_blocking=True)
+        previous.ready = self._copy_stream.record_event()
+        self.prefetched += 1
 
 
 class CheckpointedBlock(nn.Module):
@@ -102,24 +223,26 @@ class CheckpointedBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return self.block(x)
-        if self.checkpoints.mode == "plain":
+        if self.checkpoints.mode == "plain" and self.checkpoints.arena is None:   # torch's own, no copy
             self.checkpoints._hold(x, host=False)
             return checkpoint(self.block, x, use_reentrant=False)
         with torch.autograd.graph.saved_tensors_hooks(self.checkpoints.pack, self.checkpoints.unpack):
             return checkpoint(self.block, x, use_reentrant=False)
 
 
-def checkpoint_blocks(blocks: nn.ModuleList, mode: str = "pa", group=None) -> ActivationCheckpoints:
+def checkpoint_blocks(blocks: nn.ModuleList, mode: str = "pa", group=None, *,
+                      contiguous: bool = False) -> ActivationCheckpoints:
     """Wrap every block of `blocks` in place in a CheckpointedBlock sharing one
     ActivationCheckpoints (returned). `mode`: "plain" (torch's activation checkpointing), "pa"
     (inputs partitioned across the model-parallel `group`) or "pa_cpu" (partitioned and offloaded
-    to host memory). Apply before zero_ref.initialize."""
+    to host memory). `contiguous`: MD, the kept inputs live in one CheckpointArena with a slot per
+    block (one copy per block in forward). Apply before zero_ref.initialize."""
     if mode not in MODES:
         raise ValueError(f"activation checkpoint mode = {mode!r} is not allowed: expected one of "
                          f"{', '.join(map(repr, MODES))}")
     if not isinstance(blocks, nn.ModuleList):
         raise TypeError(f"blocks must be an nn.ModuleList of transformer blocks, got {type(blocks).__name__}")
-    checkpoints = ActivationCheckpoints(mode, group)
+    checkpoints = ActivationCheckpoints(mode, group, CheckpointArena(len(blocks)) if contiguous else None)
     for i, block in enumerate(blocks):
         if isinstance(block, CheckpointedBlock):
             raise ValueError(f"block {i} is already checkpointed")

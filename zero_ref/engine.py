@@ -388,7 +388,8 @@ class ZeroEngine:
         params, grads, optimizer_states (the paper's model states), buffers (the model's),
         comm_buffers (constant-size gradient buckets kept for reuse: the paper's CB),
         activation_checkpoints (saved block inputs now alive, activations.py) and their total;
-        activation_checkpoints_host: checkpoints offloaded to host memory (Pa+cpu), not in total."""
+        activation_checkpoints_host: checkpoints offloaded to host memory (Pa+cpu), not in total;
+        activation_checkpoints_arena: the part of those two held in MD's contiguous arenas."""
         tensors = self.stage.memory_tensors()
         tensors["params"] = [*tensors["params"], *self.frozen]
         tensors["buffers"] = list(self.module.buffers())
@@ -406,6 +407,7 @@ class ZeroEngine:
         report["activation_checkpoints"] = sum(c.device_bytes for c in saved)
         report["total"] = sum(report.values())
         report["activation_checkpoints_host"] = sum(c.host_bytes for c in saved)
+        report["activation_checkpoints_arena"] = sum(c.arena.nbytes() for c in saved if c.arena is not None)
         return report
 
     def comm_stats(self) -> dict[str, dict[str, int]]:

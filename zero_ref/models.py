@@ -8,6 +8,8 @@ batch from the same seed and keeps its own slice, so a run at any world size see
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -52,7 +54,7 @@ class ParallelGPTBlock(nn.Module):
     """A pre-norm GPT-2 block whose attention and MLP are split across a model-parallel group
     (tensor_parallel.py): each rank runs n_head / Nm heads and 4h / Nm MLP features."""
 
-    def __init__(self, n_embd: int, n_head: int, group, generator: torch.Generator):
+    def __init__(self, n_embd: int, n_head: int, group, seeds):
         from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_size
 
         super().__init__()
@@ -63,11 +65,11 @@ class ParallelGPTBlock(nn.Module):
         self.ln_1 = nn.LayerNorm(n_embd)
         # no q/k/v bias (as in Llama): the key bias has a zero gradient in exact arithmetic (softmax
         # ignores a shift), so AdamW would turn rounding noise into full-size updates
-        self.qkv = ColumnParallelLinear(n_embd, 3 * n_embd, group, generator, parts=3, bias=False)
-        self.proj = RowParallelLinear(n_embd, n_embd, group, generator)
+        self.qkv = ColumnParallelLinear(n_embd, 3 * n_embd, group, next(seeds), parts=3, bias=False)
+        self.proj = RowParallelLinear(n_embd, n_embd, group, next(seeds))
         self.ln_2 = nn.LayerNorm(n_embd)
-        self.fc = ColumnParallelLinear(n_embd, 4 * n_embd, group, generator)
-        self.fc_out = RowParallelLinear(4 * n_embd, n_embd, group, generator)
+        self.fc = ColumnParallelLinear(n_embd, 4 * n_embd, group, next(seeds))
+        self.fc_out = RowParallelLinear(4 * n_embd, n_embd, group, next(seeds))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -81,7 +83,9 @@ class ParallelGPT(nn.Module):
     """A GPT-2-style language model split Megatron-style over `group` (None: not split): vocabulary-
     parallel embedding tied to the output layer, `n_layer` ParallelGPTBlocks in `self.blocks` (where
     activation checkpointing wraps them, see activations.py), no dropout. Built from `seed` so that
-    every split of it starts from the same weights. forward(tokens) returns the mean next-token loss."""
+    every split of it starts from the same weights; built under torch.device("meta") it draws
+    nothing, and zero_ref.initialize gives it values layer by layer (sharded construction).
+    forward(tokens) returns the mean next-token loss."""
 
     def __init__(self, n_layer: int = 2, n_embd: int = 64, n_head: int = 4, vocab_size: int = 512,
                  n_positions: int = 128, group=None, seed: int = 0):
@@ -89,14 +93,26 @@ class ParallelGPT(nn.Module):
 
         super().__init__()
         self.group = group
-        generator = torch.Generator().manual_seed(seed)
-        self.wte = VocabParallelEmbedding(vocab_size, n_embd, group, generator)
-        self.wpe = nn.Parameter(torch.empty(n_positions, n_embd).normal_(0.0, 0.01, generator=generator))
-        self.blocks = nn.ModuleList(ParallelGPTBlock(n_embd, n_head, group, generator) for _ in range(n_layer))
+        seeds = itertools.count(seed * 1_000_003)        # one seed per layer: its values on any device and Nm
+        self.wte = VocabParallelEmbedding(vocab_size, n_embd, group, next(seeds))
+        self.wpe_seed = next(seeds)
+        self.wpe = nn.Parameter(torch.empty(n_positions, n_embd))
+        self.blocks = nn.ModuleList(ParallelGPTBlock(n_embd, n_head, group, seeds) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
+        if not self.wpe.is_meta:
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise the model's own parameter (the position embeddings; each layer has its own)."""
+        generator = torch.Generator().manual_seed(self.wpe_seed)
+        self.wpe.copy_(torch.empty(self.wpe.shape).normal_(0.0, 0.01, generator=generator))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        from .tensor_parallel import copy_to_model_parallel, vocab_parallel_cross_entropy
+        from .tensor_parallel import (
+            copy_to_model_parallel,
+            vocab_parallel_cross_entropy,
+        )
 
         x = self.wte(tokens) + self.wpe[:tokens.shape[1]]
         for block in self.blocks:

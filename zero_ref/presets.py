@@ -7,11 +7,11 @@
     C5  Pos+g  CB + MD + Pa+cpu        "pa_cpu": the partitions live in host memory
 
 CB (constant-size buffers) is how the engine always works (`ZeroConfig.bucket_numel`). MD (memory
-defragmentation: contiguous arenas for checkpoints and gradients) is not built yet; a preset says
-which configuration it stands for, and the studies account for fragmentation separately.
+defragmentation) is the checkpoint arena (`checkpoint_blocks(..., contiguous=True)`); gradients
+live in flat preallocated buffers at every stage already.
 
     preset = PAPER_CONFIGS["C4"]
-    checkpoint_blocks(model.blocks, preset.checkpoints, mesh.get_group("mp"))
+    checkpoint_blocks(model.blocks, preset.checkpoints, mesh.get_group("mp"), contiguous=preset.md)
     engine = zero_ref.initialize(model, preset.zero_config(dtype="bf16"), mesh=mesh)
 """
 
@@ -24,12 +24,13 @@ from .config import ZeroConfig
 
 @dataclass(frozen=True)
 class PaperConfig:
-    """One of the paper's C1-C5: `stage` (1 = Pos, 2 = Pos+g) and `checkpoints` ("plain", "pa",
-    "pa_cpu", for activations.checkpoint_blocks)."""
+    """One of the paper's C1-C5: `stage` (1 = Pos, 2 = Pos+g), `checkpoints` ("plain", "pa",
+    "pa_cpu") and `md` (the contiguous checkpoint arena), for activations.checkpoint_blocks."""
 
     name: str
     stage: int
     checkpoints: str
+    md: bool = True
 
     def zero_config(self, **fields) -> ZeroConfig:
         """The ZeroConfig of this configuration, with any other fields given."""

@@ -20,8 +20,11 @@ Parameters split across the group are marked (`is_model_parallel`); the others (
 row-parallel biases, position embeddings) are replicated, get identical gradients on every MP
 rank, and the engine counts them once in the global gradient norm.
 
-Weights are initialised full size from one seeded generator and sliced, so a model split over any
-Nm starts from exactly the weights of the unsplit model (Nm = 1) and trains to the same result.
+Each layer has a `seed`; `reset_parameters()` draws its weight full size on the CPU from that seed
+and keeps this rank's slice, so a model split over any Nm starts from exactly the weights of the
+unsplit model (Nm = 1) and trains to the same result. Built under `torch.device("meta")` a layer
+draws nothing; sharded construction (materialize.py) calls `reset_parameters()` one module at a
+time, so no more than one layer's full weight ever exists.
 torch's own tensor parallelism (`torch.distributed.tensor.parallel`) makes parameters DTensors,
 which cannot become views of the engine's flat buffers; these layers keep plain tensors.
 """
@@ -109,54 +112,88 @@ def _check_divisible(what: str, value: int, size: int) -> None:
         raise ValueError(f"{what} = {value} is not divisible by the model-parallel size {size}")
 
 
-class ColumnParallelLinear(nn.Module):
+def _normal(shape: tuple[int, int], std: float, seed: int) -> torch.Tensor:
+    """A full-size weight drawn on the CPU from `seed` (the same values on every device and Nm)."""
+    return torch.empty(shape).normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+
+
+class _SeededLayer(nn.Module):
+    """A layer whose weight is drawn full from its own seed and sliced by `_my_slice`."""
+
+    def _start(self, weight_shape: tuple[int, int], seed: int, std: float) -> None:
+        self.full_shape, self.seed, self.std = weight_shape, seed, std
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        full = _normal(self.full_shape, self.std, self.seed)
+        self.weight.copy_(self._my_slice(full))
+        if getattr(self, "bias", None) is not None:
+            self.bias.zero_()
+
+    def _initialise(self) -> None:
+        if not self.weight.is_meta:
+            self.reset_parameters()
+
+
+class ColumnParallelLinear(_SeededLayer):
     """y = x W^T + b with W's output features split across the MP group: rank r holds rows
     r/Nm of each of `parts` blocks (parts=3 keeps q, k and v heads together) and returns its slice
     of y. Communicates in backward only (f: all-reduce of the input gradient)."""
 
-    def __init__(self, in_features: int, out_features: int, group, generator: torch.Generator,
-                 parts: int = 1, std: float = 0.02, bias: bool = True):
+    def __init__(self, in_features: int, out_features: int, group, seed: int, parts: int = 1,
+                 std: float = 0.02, bias: bool = True):
         super().__init__()
-        self.group, size, rank = group, group_size(group), group_rank(group)
+        self.group, self.parts, size = group, parts, group_size(group)
         _check_divisible("out_features / parts", out_features // parts, size)
-        full = torch.empty(out_features, in_features).normal_(0.0, std, generator=generator)
-        self.weight = _mark(nn.Parameter(_split_rows(full, parts, size, rank)))
-        self.bias = _mark(nn.Parameter(torch.zeros(out_features // size))) if bias else None
+        self._start((out_features, in_features), seed, std)
+        self.weight = _mark(nn.Parameter(torch.empty(out_features // size, in_features)))
+        self.bias = _mark(nn.Parameter(torch.empty(out_features // size))) if bias else None
+        self._initialise()
+
+    def _my_slice(self, full: torch.Tensor) -> torch.Tensor:
+        return _split_rows(full, self.parts, group_size(self.group), group_rank(self.group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_model_parallel(x, self.group), self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SeededLayer):
     """y = x W^T + b with W's input features split across the MP group: rank r holds columns r/Nm
     and takes its slice of x (a column-parallel layer's output); the partial products are summed
     (g: one all-reduce in forward), then the replicated bias is added."""
 
-    def __init__(self, in_features: int, out_features: int, group, generator: torch.Generator,
-                 std: float = 0.02):
+    def __init__(self, in_features: int, out_features: int, group, seed: int, std: float = 0.02):
         super().__init__()
-        self.group, size, rank = group, group_size(group), group_rank(group)
+        self.group, size = group, group_size(group)
         _check_divisible("in_features", in_features, size)
-        full = torch.empty(out_features, in_features).normal_(0.0, std, generator=generator)
-        self.weight = _mark(nn.Parameter(full.chunk(size, dim=1)[rank].contiguous()))
-        self.bias = nn.Parameter(torch.zeros(out_features))
+        self._start((out_features, in_features), seed, std)
+        self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // size)))
+        self.bias = nn.Parameter(torch.empty(out_features))
+        self._initialise()
+
+    def _my_slice(self, full: torch.Tensor) -> torch.Tensor:
+        return full.chunk(group_size(self.group), dim=1)[group_rank(self.group)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return reduce_from_model_parallel(F.linear(x, self.weight), self.group) + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_SeededLayer):
     """An embedding whose vocabulary rows are split across the MP group: each rank looks up the
     tokens in its range (zeros elsewhere) and g sums the pieces (one all-reduce in forward)."""
 
-    def __init__(self, vocab_size: int, dim: int, group, generator: torch.Generator, std: float = 0.02):
+    def __init__(self, vocab_size: int, dim: int, group, seed: int, std: float = 0.02):
         super().__init__()
-        self.group, size, rank = group, group_size(group), group_rank(group)
+        self.group, size = group, group_size(group)
         _check_divisible("vocab_size", vocab_size, size)
         self.rows = vocab_size // size
-        self.first = rank * self.rows
-        full = torch.empty(vocab_size, dim).normal_(0.0, std, generator=generator)
-        self.weight = _mark(nn.Parameter(full[self.first:self.first + self.rows].clone()))
+        self.first = group_rank(group) * self.rows
+        self._start((vocab_size, dim), seed, std)
+        self.weight = _mark(nn.Parameter(torch.empty(self.rows, dim)))
+        self._initialise()
+
+    def _my_slice(self, full: torch.Tensor) -> torch.Tensor:
+        return full[self.first:self.first + self.rows]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.first
