@@ -176,7 +176,8 @@ def write_report(out: Path, table1: pd.DataFrame, fig1: pd.DataFrame, bench: dic
               f"- device: {a.device_bytes / 2**30:.0f} GiB = {a.device_bytes / 1e9:.2f} GB; minus "
               f"{a.context_bytes / 1e9:.1f} GB for the CUDA context and cuBLAS/NCCL workspaces; of the rest "
               f"{a.fragmentation:.0%} is lost to the caching allocator's fragmentation (the paper saw OOM with "
-              f"over 30% free in extreme cases): {a.usable_bytes() / 1e9:.2f} GB usable;",
+              f"over 30% free in extreme cases): {a.usable_bytes() / 1e9:.2f} GB usable. This share is chosen; "
+              "[../fragmentation/REPORT.md](../fragmentation/REPORT.md) measures it per case and searches again;",
               f"- batch: {mms.TABLE2_BATCH} sequence per GPU for Table 2 (not given); Sec 10.4 uses the appendix's "
               "batch of the named runs (1.38B baseline: 1, 13B: 2); sequence length "
               f"{a.seq}, vocabulary {a.vocab};",

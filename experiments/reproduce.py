@@ -80,9 +80,16 @@ def _zero_r(out: Path, quick: bool, quiet: bool) -> dict:
     return run_study(out, quick, quiet)
 
 
+def _fragmentation(out: Path, quick: bool, quiet: bool) -> dict:
+    from experiments.fragmentation_study import run_study
+
+    return run_study(out, quick, quiet)
+
+
 STUDIES = {
     "memory": ("Memory and model size: Table 1, Figure 1, Table 2, Sec 10.4 (Fig 4's sizes)", _memory),
     "zero_r": ("ZeRO-R: partitioned activation checkpoints (Pa, Pa+cpu), Sec 6.1 and Sec 8", _zero_r),
+    "fragmentation": ("Fragmentation measured (MD): Table 2, Fig 4 and Fig 6 searched again, Fig 7", _fragmentation),
     "bench_step": ("Step time of every stage against DDP (project targets; the paper's 2Ψ/3Ψ volumes are in "
                    "comm_stats)", _step_time),
     "kernels": ("Fused optimizer-step kernels (Triton rows need CUDA)", _kernels),

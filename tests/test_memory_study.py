@@ -152,7 +152,8 @@ def test_reproduce_writes_everything(quick):
     meta = json.loads((quick / "meta.json").read_text())
     assert meta["quick"] and meta["git_revision"] and meta["hardware"]["cores"] >= 1
     report = (quick / "REPORT.md").read_text()
-    for item in ("Table 1", "Figure 1", "1T at Nd=1024", "Table 2 theory", "Fig 4", "real run", "Sec 8", "Sec 6.1"):
+    for item in ("Table 1", "Figure 1", "1T at Nd=1024", "Table 2 theory", "Fig 4", "real run", "Sec 8", "Sec 6.1",
+                 "fragmentation measured"):
         assert item in report, item
     zero_r = quick / "zero_r"
     for name in ("checkpoint_bytes.csv", "comm_per_block.csv", "sec61_100b.csv", "fig6.csv", "cb.csv",
@@ -173,3 +174,24 @@ def test_reproduce_writes_everything(quick):
         assert size["C1"] < size["C2"] and size["C3"] < size["C4"] < size["C5"]
     comm = pd.read_csv(zero_r / "comm_per_block.csv").set_index(["mode", "early_stop"])
     assert comm.loc[("pa", False), "all_reduce"] == 12 * comm.loc[("pa", False), "all_gather"]   # the paper's 1:12
+    assert (checkpoints.arena_bytes == checkpoints.device_bytes + checkpoints.host_bytes).all()   # C1-C5 have MD
+    assert (checkpoints.host_traffic_bytes_per_step == 2 * checkpoints.host_bytes).all()       # there and back
+
+
+def test_fragmentation_measured_and_searched_again(quick):
+    """reproduce --quick measures Fig 4's two cases: a share from the trace replayed through the
+    allocator model, the search redone with it, the ZeRO case traced without MD too."""
+    folder = quick / "fragmentation"
+    for name in ("fragmentation.csv", "searches.csv", "fragmentation.png", "REPORT.md", "headline.json"):
+        assert (folder / name).stat().st_size > 0, name
+    searches = pd.read_csv(folder / "searches.csv")
+    assert list(searches.case) == [case.name for case in mms.NO_MP_CASES]
+    assert ((searches.fragmentation > 0) & (searches.fragmentation < 0.5)).all()
+    for row, case in zip(searches.itertuples(), mms.NO_MP_CASES):   # the answer is the search at the measured share
+        shape, _ = mms.largest_model(case, mms.Assumptions(fragmentation=row.fragmentation))
+        assert shape.label() == row.ours_shape and shape.params / 1e9 == pytest.approx(row.ours_b)
+    assert (searches.trace_peak_gb / searches.accounting_gb).between(0.9, 1.1).all()
+    traces = pd.read_csv(folder / "fragmentation.csv")
+    assert len(traces) == 5 and set(traces[traces["round"] == 2].md) == {True, False}
+    assert (traces.min_capacity_gb >= traces.peak_requested_gb).all()
+    assert (traces.min_capacity_gb <= traces.peak_reserved_gb + 1e-9).all()
