@@ -9,8 +9,9 @@
 #      against torch.optim.AdamW with the compiled kernels, host syncs per step, the CUDA streams a
 #      step uses (reductions waited on a side stream), bf16 with reduce_dtype="fp32" beside bf16
 #      reductions, device memory added by a pinned save and by full_state_dict(device="cpu"), the
-#      CUDA RNG restored by a load, a new engine after close(), and activation checkpoints on the
-#      device after a forward, plain against Pa+cpu
+#      CUDA RNG restored by a load, a new engine after close(), activation checkpoints on the
+#      device after a forward, plain against Pa+cpu, and the caching-allocator model's peak
+#      reserved bytes against CUDA's own on a recorded memory history (with and without MD)
 # Everything lands in results/gpu/; when $OUT is set, results/gpu is copied there too, even if a
 # step fails (the trap below), so a failed run still brings its logs back. A failing step does
 # not stop the later ones; the script exits 1 at the end, listing the failed steps.

@@ -15,7 +15,9 @@ measured, the value, what it must be, pass/fail) with the GPU's name. The checks
 * ``full_state_dict(device="cpu")``: device memory added at peak (at most about one group);
 * ``close()``: a new engine trains after the old one is closed;
 * activation checkpoints: device memory after a forward with plain checkpoints against Pa+cpu (the
-  slices in pinned host memory), beside the engine's own report.
+  slices in pinned host memory), beside the engine's own report;
+* the caching-allocator model (fragmentation study): the allocator's own memory history of three
+  steps replayed through zero_ref.caching_allocator, its peak of reserved bytes against CUDA's.
 
 Usage: ``python experiments/gpu_engine_check.py --out results/gpu`` (``--device cpu`` runs the same
 checks on gloo, for trying the script without a GPU; the stream and sync checks are then skipped).
@@ -81,6 +83,8 @@ def checks(rank: int, world: int, device_type: str) -> list[dict]:
     def row(check, stage, value, expected, ok):
         rows.append({"check": check, "stage": stage, "value": value, "expected": expected, "pass": bool(ok)})
 
+    if cuda:
+        _allocator_model(device, row)       # first: the allocator's history starts from an empty cache
     batches = _batches(device)
     reference = Net().to(device)
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
@@ -161,10 +165,10 @@ def _checkpoint_memory(device, row) -> None:
 
     shape = {"n_layer": 8, "n_embd": 256, "n_head": 8, "vocab_size": 512, "n_positions": 256}
     tokens = torch.randint(0, 512, (8, 256), device=device)
-    live = {}
+    live, weights, prefetched = {}, {}, 0
     for mode in ("plain", "pa_cpu"):
         model = ParallelGPT(**shape).to(device)
-        checkpoint_blocks(model.blocks, mode)
+        checkpoints = checkpoint_blocks(model.blocks, mode)
         with zero_ref.initialize(model, zero_ref.ZeroConfig(stage=2)) as engine:
             base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             loss = engine(tokens)
@@ -172,6 +176,12 @@ def _checkpoint_memory(device, row) -> None:
             live[mode] = added, engine.memory_report()
             engine.backward(loss)
             engine.step()
+            weights[mode] = engine.full_state_dict()
+            prefetched = checkpoints.prefetched
+    difference = max((weights["plain"][k] - weights["pa_cpu"][k]).abs().max().item() for k in weights["plain"])
+    row(f"Pa+cpu (slices prefetched on a side stream: {prefetched}) trains like plain checkpoints: "
+        "max weight difference after a step", 2, difference, f"<= 1e-6 (and {shape['n_layer'] - 1} prefetched)",
+        difference <= 1e-6 and prefetched == shape["n_layer"] - 1)
     expected = shape["n_layer"] * tokens.numel() * shape["n_embd"] * 4
     (plain, plain_report), (offloaded, offload_report) = live["plain"], live["pa_cpu"]
     row("checkpoint bytes (engine report): plain / pa_cpu device / pa_cpu host", 2,
@@ -182,6 +192,43 @@ def _checkpoint_memory(device, row) -> None:
     if device.type == "cuda":
         row("device bytes after forward: plain minus pa_cpu", 2, plain - offloaded, f"= {expected} (L x b x s x h fp32)",
             abs(plain - offloaded - expected) <= 0.02 * expected)
+
+
+def _allocator_model(device, row) -> None:
+    """The caching-allocator model (zero_ref.caching_allocator) against CUDA's own allocator: three
+    stage-2 steps of a checkpointed model (Pa, with and without MD's arena) recorded by the
+    allocator's memory history, the history replayed through the model, the model's peak of
+    reserved bytes beside torch.cuda.max_memory_reserved (within 5%)."""
+    import zero_ref
+    from zero_ref import caching_allocator as ca
+    from zero_ref.activations import checkpoint_blocks
+    from zero_ref.alloc_trace import AllocationTrace
+    from zero_ref.models import ParallelGPT
+
+    shape = {"n_layer": 6, "n_embd": 512, "n_head": 8, "vocab_size": 4096, "n_positions": 512}
+    tokens = torch.randint(0, 4096, (6, 500), device=device)      # 6 x 500 x 512 fp32: 6 MB a block input
+    for md in (False, True):
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base_reserved = torch.cuda.memory_reserved(device)
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        model = ParallelGPT(**shape).to(device)
+        checkpoint_blocks(model.blocks, "pa", contiguous=md)
+        with zero_ref.initialize(model, zero_ref.ZeroConfig(stage=2, bucket_numel=2**20)) as engine:
+            for _ in range(3):
+                engine.backward(engine(tokens))
+                engine.step()
+        del model, engine
+        torch.cuda.synchronize(device)
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        real = torch.cuda.max_memory_reserved(device) - base_reserved
+        trace = AllocationTrace.from_cuda_snapshot(snapshot, device.index or 0)
+        modelled = ca.replay(trace).peak_reserved
+        row(f"caching-allocator model: peak reserved, model / CUDA ({'MD' if md else 'no MD'}, "
+            f"{len(trace.events)} events, fragmentation {ca.fragmentation(trace):.3f})", 2,
+            f"{modelled} / {real}", "within 5%", real > 0 and abs(modelled - real) <= 0.05 * real)
 
 
 def _count_syncs(step) -> int:
