@@ -7,8 +7,8 @@ paper claim it checks: ``item``, ``paper`` (the paper's value), ``ours``, ``erro
 ``results/REPORT.md``: a single page, every paper table and figure with the paper's value, ours,
 and how ours was obtained. Later studies plug in by adding an entry to ``STUDIES``.
 
-    python -m experiments.reproduce            # the default: a few minutes on a laptop CPU
-    python -m experiments.reproduce --quick    # about a minute: fewer extra cases and real runs, no benchmarks
+    python -m experiments.reproduce            # the default: about 43 minutes on 2 CPU cores
+    python -m experiments.reproduce --quick    # about 4 minutes: fewer cases, traces and real runs, no benchmarks
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def write_report(out: Path, sections: list[tuple[str, str, dict]], meta: dict) -
 def main(argv: list[str] | None = None) -> dict:
     """Run every study (``--quick``: the short version) and write ``--out``/REPORT.md."""
     parser = argparse.ArgumentParser(prog="zero-ref reproduce", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the short version (about a minute)")
+    parser.add_argument("--quick", action="store_true", help="the short version (about 4 minutes on 2 cores)")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="results folder (default: results/)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--only", choices=sorted(STUDIES), nargs="+", help="run only these studies (the others keep their last headline rows in REPORT.md, marked as such)")
