@@ -123,9 +123,10 @@ def _append_csv(results: list[dict], args) -> None:
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     path = Path(args.csv)
     path.parent.mkdir(parents=True, exist_ok=True)
+    memory = ("params", "grads", "optimizer_states", "buffers", "comm_buffers", "total")
     fields = ["date", "git", "device", "stage", "dtype", "world_size", "rank", "psi", "steps", "first_loss",
-              "last_loss", "skipped", "median_step_s", "params", "grads", "optimizer_states", "buffers",
-              "comm_buffers", "total", "peak_device_bytes", "elements_moved", "elements_moved_over_psi", "command"]
+              "last_loss", "skipped", "median_step_s", *memory, "peak_device_bytes", "elements_moved",
+              "elements_moved_over_psi", "command"]
     new = not path.exists()
     with open(path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
@@ -137,7 +138,7 @@ def _append_csv(results: list[dict], args) -> None:
                 "device": r["device"], "stage": args.stage, "dtype": args.dtype, "world_size": len(results),
                 "rank": r["rank"], "psi": r["psi"], "steps": args.steps, "first_loss": r["losses"][0],
                 "last_loss": r["losses"][-1], "skipped": r["skipped"], "median_step_s": r["median_step_s"],
-                **r["memory"], "peak_device_bytes": r["peak_device_bytes"],
+                **{k: r["memory"][k] for k in memory}, "peak_device_bytes": r["peak_device_bytes"],
                 "elements_moved": r["comm"]["total"], "elements_moved_over_psi": r["comm"]["total"] / r["psi"],
                 "command": " ".join(sys.argv)})
 
