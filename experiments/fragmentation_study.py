@@ -38,7 +38,6 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -46,6 +45,7 @@ from tqdm import tqdm
 
 from experiments.fragmentation_trace import TraceCase, measure
 from experiments.max_model_size import (
+    FAMILY,
     FIG6_BATCH,
     FIG6_FAMILY,
     FIG6_GPUS,
@@ -71,21 +71,20 @@ FIG7 = {"40B": (ModelShape(50, 8192, 32), 16), "100B": (ModelShape(125, 8192, 64
 """Fig 7's models (appendix): shape and batch per GPU, at MP 16 on 400 GPUs."""
 
 
-def search_cases(quick: bool) -> list[tuple[str, Case, float, tuple | None]]:
-    """(study, case, the paper's size in B, the family searched or None for the default) of every
+def search_cases(quick: bool) -> list[tuple[str, Case, float, tuple]]:
+    """(study, case, the paper's size in B, the family of shapes searched) of every
     measured max-model-size point: Table 2's measured columns, Fig 4's sizes, Fig 6's C1-C5."""
-    cases = [("Fig 4 / Sec 10.4", case, NO_MP_B[case.stage], None) for case in NO_MP_CASES]
+    cases = [("Fig 4 / Sec 10.4", case, NO_MP_B[case.stage], FAMILY) for case in NO_MP_CASES]
     if quick:
         return cases
-    cases += [("Table 2", case, paper_b, None) for case, paper_b in table2_cases() if paper_b is not None]
+    cases += [("Table 2", case, paper_b, FAMILY) for case, paper_b in table2_cases() if paper_b is not None]
     cases += [("Fig 6", Case(f"Fig 6 {name}", p.stage, FIG6_GPUS // FIG6_NM, FIG6_NM, FIG6_BATCH, p.checkpoints),
                FIG6_B[name], FIG6_FAMILY) for name, p in PAPER_CONFIGS.items()]
     return cases
 
 
-def _largest(case: Case, fragmentation: float, family) -> ModelShape:
-    found = largest_model(case, Assumptions(fragmentation=fragmentation), *([family] if family else []))
-    return found[0]
+def _largest(case: Case, fragmentation: float, family: tuple) -> ModelShape:
+    return largest_model(case, Assumptions(fragmentation=fragmentation), family)[0]
 
 
 def _accounted(shape: ModelShape, case: Case) -> float:
@@ -125,7 +124,7 @@ def run(quick: bool = False, quiet: bool = False, workers: int | None = None) ->
     second = [_largest(c, r["fragmentation"], fam) for (_, c, _, fam), r in zip(cases, round1)]
     zero = [i for i, (study, c, _, _) in enumerate(cases) if md(c) and study != "Table 2"]   # MD's effect
     measured = _measure_all([_trace_case(c, s, md(c)) for (_, c, _, _), s in zip(cases, second)]
-                            + [replace(_trace_case(cases[i][1], second[i], False)) for i in zero],
+                            + [_trace_case(cases[i][1], second[i], False) for i in zero],
                             workers, quiet, "fragmentation: round 2")
     round2, without_md = measured[:len(cases)], dict(zip(zero, measured[len(cases):]))
 
@@ -147,7 +146,8 @@ def run(quick: bool = False, quiet: bool = False, workers: int | None = None) ->
             "ours_b": final.params / 1e9, "ours_shape": final.label(),
             "error_pct": 100 * (final.params / 1e9 - paper_b) / paper_b,
             "converged": final == second[i],
-            "traced_shape": second[i].label(), "trace_peak_gb": r2["peak_requested_gb"], "accounting_gb": _accounted(second[i], case) / 1e9,
+            "traced_shape": second[i].label(), "trace_peak_gb": r2["peak_requested_gb"],
+            "accounting_gb": _accounted(second[i], case) / 1e9,
             "change_pct": 100 * (final.params - chosen.params) / chosen.params,
         })
     fig7_table = pd.DataFrame([{"model": size, "config": name} | row

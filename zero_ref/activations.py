@@ -182,7 +182,6 @@ class ActivationCheckpoints:
         self.gathered_elements += gathered.numel()
         return gathered[:math.prod(packed.shape)].view(packed.shape)
 
-
     def _on_device(self, packed: _Kept) -> torch.Tensor:
         """The kept slice on the model's device: the prefetched copy (once its copy is done) or a
         copy made now."""

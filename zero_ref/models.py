@@ -105,8 +105,9 @@ class ParallelGPT(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Initialise the model's own parameter (the position embeddings; each layer has its own)."""
-        generator = torch.Generator().manual_seed(self.wpe_seed)
-        self.wpe.copy_(torch.empty(self.wpe.shape).normal_(0.0, 0.01, generator=generator))
+        from .tensor_parallel import seeded_normal
+
+        self.wpe.copy_(seeded_normal(self.wpe.shape, 0.01, self.wpe_seed))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         from .tensor_parallel import (

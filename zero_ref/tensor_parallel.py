@@ -112,7 +112,7 @@ def _check_divisible(what: str, value: int, size: int) -> None:
         raise ValueError(f"{what} = {value} is not divisible by the model-parallel size {size}")
 
 
-def _normal(shape: tuple[int, int], std: float, seed: int) -> torch.Tensor:
+def seeded_normal(shape: tuple[int, int], std: float, seed: int) -> torch.Tensor:
     """A full-size weight drawn on the CPU from `seed` (the same values on every device and Nm)."""
     return torch.empty(shape).normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
 
@@ -125,7 +125,7 @@ class _SeededLayer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        full = _normal(self.full_shape, self.std, self.seed)
+        full = seeded_normal(self.full_shape, self.std, self.seed)
         self.weight.copy_(self._my_slice(full))
         if getattr(self, "bias", None) is not None:
             self.bias.zero_()
