@@ -6,6 +6,7 @@ a peer such as DDP) and counts floating-point elements per rank the way the pape
     with CountCollectives() as counter:
         engine.backward(engine(batch)); engine.step()
     counter.moved      # Counter({"reduce_scatter": ..., "all_gather": ..., "all_reduce": ...})
+    counter.calls      # how many collectives of each kind were issued
 """
 
 from __future__ import annotations
@@ -25,20 +26,25 @@ _OPS = {
 
 class CountCollectives(TorchDispatchMode):
     """Counts the elements of every floating-point c10d collective issued while it is active, by
-    kind in `moved` ("other": the number of calls of kinds not listed above)."""
+    kind in `moved` ("other": the number of calls of kinds not listed above), and the calls per
+    kind in `calls`."""
 
     def __init__(self):
         super().__init__()
         self.moved = Counter()
+        self.calls = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             name = func._schema.name.split("::")[1]
             tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            while tensors and isinstance(tensors[0], (list, tuple)):     # list forms: a list of lists
+                tensors = tensors[0]
             if tensors and tensors[0].is_floating_point():
                 if name in _OPS:
                     kind, elements = _OPS[name]
                     self.moved[kind] += elements(args)
+                    self.calls[kind] += 1
                 else:
                     self.moved["other"] += 1
         return func(*args, **(kwargs or {}))

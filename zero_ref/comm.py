@@ -46,6 +46,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -96,11 +97,14 @@ class Pending:
         self.on_failure = on_failure
 
     def wait(self) -> None:
+        # the label lets a profiler tell time spent waiting on communication, by kind, from compute
+        # (experiments/throughput.py splits a step into phases with it)
         try:
-            if self.timeout_s is None:
-                self.work.wait()
-            else:
-                self.work.wait(timedelta(seconds=self.timeout_s))
+            with record_function(f"zero_ref.wait {self.what.split()[0]}"):
+                if self.timeout_s is None:
+                    self.work.wait()
+                else:
+                    self.work.wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as err:
             if self.on_failure is not None:
                 self.on_failure()

@@ -28,6 +28,11 @@ sharded and what moves. The step contract:
                              clip, fused AdamW on this rank's segments of the parameters that got
                              a gradient, regather, clear gradients. True when the parameters changed.
 
+Phases are labelled for torch.profiler (record_function): "zero_ref.forward", "zero_ref.backward",
+"zero_ref.optimizer", "zero_ref.after_update" (the regather of stages 1-2) and, in comm.py,
+"zero_ref.wait <kind>" wherever the host waits for a collective, so a profile splits a step into
+compute and communication waits (experiments/throughput.py).
+
 * A step boundary is reached after a multiple of `grad_accum_steps` backwards since the last update;
   `step()` elsewhere (mid-accumulation, or with no backward since the last step) does nothing and
   returns False, so calling it twice never updates twice.
@@ -47,6 +52,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_map
 
 from . import activations, checkpoint, materialize, tensor_parallel
@@ -188,7 +194,7 @@ class ZeroEngine:
                 self.comm.broadcast(buffer.data, 0)
         cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         args, kwargs = tree_map(cast, (args, kwargs))
-        with self.stage.forward_context():
+        with record_function("zero_ref.forward"), self.stage.forward_context():
             return self.module(*args, **kwargs)
 
     forward = __call__
@@ -211,10 +217,11 @@ class ZeroEngine:
         stage = self.stage
         stage.in_backward = True
         try:
-            stage.begin_backward(boundary)
-            with stage.backward_context():
-                (loss * (self.scaler.scale / self.config.grad_accum_steps)).backward()
-            stage.end_backward(boundary)
+            with record_function("zero_ref.backward"):
+                stage.begin_backward(boundary)
+                with stage.backward_context():
+                    (loss * (self.scaler.scale / self.config.grad_accum_steps)).backward()
+                stage.end_backward(boundary)
         except BaseException as err:   # some gradients may be in, some reductions not: refuse to step
             stage.polluted = stage.polluted or (
                 f"engine.backward raised {type(err).__name__}: the gradients since the last step are "
@@ -256,8 +263,10 @@ class ZeroEngine:
         if self.config.grad_clip is not None:
             norm = math.sqrt(sum_sq) / self.scaler.scale
             grad_scale *= min(1.0, self.config.grad_clip / (norm + 1e-6))
-        optimizer.step(grads, grad_scale, [u > 0 for u in used], stage.segment_updated)
-        stage.after_update()
+        with record_function("zero_ref.optimizer"):
+            optimizer.step(grads, grad_scale, [u > 0 for u in used], stage.segment_updated)
+        with record_function("zero_ref.after_update"):
+            stage.after_update()
         self._clear_step()
         self.scaler.update(found_overflow=False, step=self.global_step + self._skipped_steps + 1)
         self.global_step += 1
