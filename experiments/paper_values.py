@@ -51,3 +51,20 @@ FIG6_B = {"C1": 40, "C2": 60, "C3": 50, "C4": 140, "C5": 150}
 """Fig 6 (Sec 10.5): the largest model trainable under C1-C5 at MP 16 on 400 GPUs, batch 16 per
 model-parallel group. C1, C2, C4 and C5 are stated in the text; C3 = 50B is inferred (the only size
 of the appendix's max-model-size table not assigned to another configuration)."""
+
+
+def paper_runs() -> list[dict]:
+    """The paper's throughput runs (Figs 2, 3, 4, 8; arXiv v3 numbering), one row per run: the
+    appendix's configuration (GPUs, MP, layers x hidden, heads, batch per GPU, ZeRO config) and
+    the TFLOPS per GPU read from the figure where a reading exists (``paper_tflops_per_gpu``, None
+    otherwise), each with its source (experiments/paper_data/runs.csv)."""
+    import csv
+    from pathlib import Path
+
+    ints = ("gpus", "mp", "dp", "layers", "hidden", "heads", "batch_per_gpu", "total_batch")
+    with open(Path(__file__).parent / "paper_data" / "runs.csv") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        row.update({k: int(row[k]) for k in ints})
+        row["paper_tflops_per_gpu"] = float(row["paper_tflops_per_gpu"]) if row["paper_tflops_per_gpu"] else None
+    return rows
