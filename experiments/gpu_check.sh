@@ -4,7 +4,8 @@
 # Time: typically 4-5 minutes; every step has a timeout and the timeouts add up to under 8 minutes.
 #   1. the kernel tests with Triton COMPILED (TRITON_INTERPRET=0; the tests also run torch on CUDA)
 #   2. the kernel benchmark at 1M..256M elements against torch's AdamW and the copy bandwidth
-#   3. engine smoke runs (world size 1, NCCL), one per stage (zero-ref train --device cuda)
+#   3. engine smoke runs (world size 1, NCCL), one per stage (zero-ref train --device cuda), and one
+#      timed throughput run under torchrun (experiments/throughput.py)
 #   4. engine checks (experiments/gpu_engine_check.py, world size 1, NCCL): every stage exact
 #      against torch.optim.AdamW with the compiled kernels, host syncs per step, the CUDA streams a
 #      step uses (reductions waited on a side stream), bf16 with reduce_dtype="fp32" beside bf16
@@ -68,7 +69,7 @@ step "kernel benchmark" kernel_bench
 # fused Triton kernels ("auto" picks them on CUDA); each appends rows to results/gpu/engine_smoke.csv
 # (loss, memory by category, peak device memory, elements moved, median step time, GPU name).
 engine_smoke() {
-    timeout 40 python3 -m zero_ref.cli train --stage "$1" --dtype bf16 --nproc 1 --device cuda \
+    timeout 32 python3 -m zero_ref.cli train --stage "$1" --dtype bf16 --nproc 1 --device cuda \
         --steps 12 --layers 4 --hidden 512 --heads 8 --vocab 8192 --seq 256 --batch 16 \
         --kernels auto --csv results/gpu/engine_smoke.csv 2>&1 | tee -a results/gpu/engine_smoke.log
 }
@@ -76,6 +77,17 @@ rm -f results/gpu/engine_smoke.csv results/gpu/engine_smoke.log
 for stage in 0 1 2 3; do
     step "engine smoke, stage $stage (NCCL, world 1)" engine_smoke "$stage"
 done
+
+# --- a timed throughput run (experiments/throughput.py under torchrun, NCCL, world 1) ---
+# A 24 x 1024 GPT-2 (about 350M parameters), bf16, stage 2, plain checkpoints, 8 x 1024 tokens:
+# phases, TFLOPS per GPU (recomputation counted), peak memory, elements moved, in
+# results/gpu/throughput/throughput.csv: the GPU point beside the CPU runs the model was checked on.
+throughput_run() {
+    timeout 40 torchrun --standalone --nproc_per_node 1 -m experiments.throughput --layers 24 --hidden 1024 \
+        --heads 16 --seq 1024 --vocab 50257 --batch 8 --stage 2 --dtype bf16 --steps 6 --warmup 2 \
+        --profile-steps 1 --out results/gpu/throughput 2>&1 | tee results/gpu/throughput.log
+}
+step "throughput run (torchrun, NCCL, world 1)" throughput_run
 
 engine_checks() {
     timeout 90 python3 experiments/gpu_engine_check.py --out results/gpu 2>&1 | tee results/gpu/engine_check.log

@@ -86,16 +86,24 @@ def _fragmentation(out: Path, quick: bool, quiet: bool) -> dict:
     return run_study(out, quick, quiet)
 
 
+def _throughput(out: Path, quick: bool, quiet: bool) -> dict:
+    from experiments.throughput_report import run_study
+
+    return run_study(out, quick, quiet)
+
+
 STUDIES = {
     "memory": ("Memory and model size: Table 1, Figure 1, Table 2, Sec 10.4 (Fig 4's sizes)", _memory),
     "zero_r": ("ZeRO-R: partitioned activation checkpoints (Pa, Pa+cpu), Sec 6.1 and Sec 8", _zero_r),
     "fragmentation": ("Fragmentation measured (MD): Table 2, Fig 4 and Fig 6 searched again, Fig 7", _fragmentation),
+    "throughput": ("Throughput: the performance model checked on timed runs, superlinear scaling at our scale, "
+                   "Figs 2, 3, 4, 8 projected to the paper's V100s", _throughput),
     "bench_step": ("Step time of every stage against DDP (project targets; the paper's 2Ψ/3Ψ volumes are in "
                    "comm_stats)", _step_time),
     "kernels": ("Fused optimizer-step kernels (Triton rows need CUDA)", _kernels),
 }
 """study folder -> (what it reproduces, its runner)."""
-FULL_ONLY = {"bench_step", "kernels"}
+FULL_ONLY = {"bench_step", "kernels", "throughput"}
 """Benchmarks that take minutes: skipped by --quick."""
 
 

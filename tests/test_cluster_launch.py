@@ -40,3 +40,29 @@ def test_two_torchrun_nodes_train_like_two_spawned_ranks(tmp_path):
                          for path in (torchrun_csv, spawned_csv))
     assert list(torchrun["rank"]) == [0, 1] and (torchrun.world_size == 2).all()
     pd.testing.assert_frame_equal(torchrun, spawned)
+
+
+THROUGHPUT = ["--stage", "3", "--layers", "2", "--hidden", "32", "--heads", "4", "--vocab", "128", "--seq", "16",
+              "--batch", "2", "--steps", "2", "--warmup", "1", "--profile-steps", "1", "--threads", "1"]
+
+
+@pytest.mark.timeout(300)
+def test_two_torchrun_nodes_time_a_run_like_two_spawned_ranks(tmp_path):
+    """experiments/throughput.py (what the SLURM scripts launch) under two torchrun agents: rank 0
+    alone writes the row, with the same model, world size and elements moved as a spawned run."""
+    from experiments.throughput import main
+
+    port = free_port()
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend",
+         "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "zero-ref-throughput", "-m",
+         "experiments.throughput", *THROUGHPUT, "--out", str(tmp_path / "torchrun")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    main([*THROUGHPUT, "--world-size", "2", "--out", str(tmp_path / "spawned")])
+    columns = ["world_size", "nd", "local_params", "ledger_all_gather", "ledger_reduce_scatter", "moved_all_gather",
+               "flops_per_rank", "peak_gb"]
+    torchrun, spawned = (pd.read_csv(tmp_path / name / "throughput.csv") for name in ("torchrun", "spawned"))
+    assert len(torchrun) == 1 and torchrun.world_size.iloc[0] == 2          # one row: rank 0's
+    pd.testing.assert_frame_equal(torchrun[columns], spawned[columns])

@@ -1,0 +1,173 @@
+"""The machine at hand, measured for the performance model (zero_ref.perf_model): compute rates, the
+AdamW rate and the collectives' latency and bandwidth. Nothing here is fitted to the paper.
+
+* **block rates**: forward, and forward + backward, of one GPT-2 block (models.ParallelGPTBlock,
+  the block the timed runs train) on a grid of (tokens, hidden) at ``seq`` positions, FLOPs as
+  perf_model.training_flops counts them (backward = 2x forward) over the median times: FLOP/s;
+* **head rates**: the same for the logits (tied embedding) and the loss: 2·t·h·V FLOPs forward;
+* both at each thread count per rank asked for (the timed runs use one thread per rank);
+* **step rate**: the engine's whole optimizer step per element (norm, AdamW, clearing gradients),
+  at world size 1 on a model unlike the timed ones;
+* **links**: at each world size p, all-reduce, reduce-scatter and all-gather of 16K..4M fp32
+  elements over gloo, timed (median of the slowest rank), and per kind one ring ``Link(bandwidth,
+  latency)`` fitted by least squares to t = (p-1)/p·moved·4/bandwidth + hops·(p-1)·latency.
+
+``cpu_cluster(calibration, world)`` turns the measurements into a perf_model.Cluster for a run of
+``world`` ranks on this machine (compute shared when ranks outnumber cores).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from zero_ref import perf_model as pm
+
+SEQ = 128
+GRID_TOKENS = (128, 256, 512, 1024)
+GRID_HIDDEN = (128, 256, 384)
+LINK_SIZES = (2**14, 2**16, 2**18, 2**20, 2**22)
+
+
+def _median_seconds(fn, reps: int = 5, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def compute_rates(threads: int, vocab: int, seq: int = SEQ, tokens=GRID_TOKENS, hiddens=GRID_HIDDEN,
+                  reps: int = 5) -> dict[str, dict]:
+    """FLOP/s of a block's and of the head's forward and backward at each (tokens, hidden), with
+    ``threads`` threads (fp32): {"block_forward": {(tokens, hidden): FLOP/s}, ...}."""
+    from zero_ref.models import ParallelGPTBlock
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    rates = {name: {} for name in ("block_forward", "block_backward", "head_forward", "head_backward")}
+    try:
+        for hidden in hiddens:
+            block = ParallelGPTBlock(hidden, hidden // 64, None, iter(range(10)))
+            embedding = torch.randn(vocab, hidden, requires_grad=True)
+            for t in tokens:
+                x = torch.randn(t // seq, seq, hidden, requires_grad=True)
+                labels = torch.randint(0, vocab, (t // seq, seq))
+                parts = {"block": lambda: block(x).sum(),
+                         "head": lambda: F.cross_entropy(F.linear(x, embedding).flatten(0, 1), labels.flatten())}
+                flops = pm.training_flops(1, hidden, seq, vocab, t // seq, recompute=False)
+                forward_flops = {"block": flops["forward"], "head": flops["head"] / 3}
+                for part, run in parts.items():
+                    forward = _median_seconds(run, reps)
+                    both = _median_seconds(lambda: run().backward(), reps)
+                    rates[f"{part}_forward"][(t, hidden)] = forward_flops[part] / forward
+                    rates[f"{part}_backward"][(t, hidden)] = 2 * forward_flops[part] / max(both - forward, 1e-9)
+    finally:
+        torch.set_num_threads(before)
+    return rates
+
+
+def _engine_step_rate(rank: int, world: int, threads: int, width: int, reps: int) -> float:
+    import zero_ref
+
+    torch.set_num_threads(threads)
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4)))
+    params = sum(p.numel() for p in model.parameters())
+    engine = zero_ref.initialize(model, zero_ref.ZeroConfig(stage=0, bucket_numel=width * width))
+    x = torch.randn(8, width)
+    times = []
+    for rep in range(reps + 2):
+        engine.backward(engine(x).square().mean())
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    engine.close()
+    return params / statistics.median(times[2:])
+
+
+def step_rate(threads: int, width: int = 1024, reps: int = 9) -> float:
+    """Elements per second of the engine's whole optimizer step (gradient norm and overflow check,
+    AdamW, clearing the gradients) at world size 1, stage 0, fp32, on a model unlike the timed
+    ones (four 1024 x 1024 linear layers)."""
+    from zero_ref.launch import spawn
+
+    return spawn(_engine_step_rate, 1, threads, width, reps, timeout=600)[0]
+
+
+def _time_collectives(rank: int, world: int, sizes, reps: int) -> list[dict]:
+    from zero_ref.comm import _reduce_scatter, all_gather_tensor
+
+    rows = []
+    for numel in sizes:
+        numel -= numel % world
+        full, shard = torch.randn(numel), torch.randn(numel // world)
+        ops = {"all_reduce": (lambda: dist.all_reduce(full), 2 * numel),
+               "reduce_scatter": (lambda: _reduce_scatter(shard, full), numel),
+               "all_gather": (lambda: all_gather_tensor(full, shard), numel)}
+        for kind, (op, moved) in ops.items():
+            times = []
+            for rep in range(reps + 1):
+                dist.barrier()
+                start = time.perf_counter()
+                op()
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if rep:
+                    times.append(elapsed.item())
+            rows.append({"world": world, "kind": kind, "numel": numel, "moved": moved,
+                         "seconds": statistics.median(times)})
+    return rows
+
+
+def fit_link(rows: list[dict]) -> pm.Link:
+    """The ring Link that best fits timed collectives of one kind and world size (least squares
+    relative to each time, so small and large messages weigh alike; both coefficients >= 0)."""
+    world = rows[0]["world"]
+    x = np.array([[(world - 1) / world * r["moved"] * 4, pm.HOPS[r["kind"]] * (world - 1)] for r in rows])
+    y = np.array([r["seconds"] for r in rows])
+    (inv_bw, latency), *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
+    return pm.Link(1.0 / max(inv_bw, 1e-15), max(latency, 0.0))
+
+
+def measure_links(worlds=(2, 3, 4), sizes=LINK_SIZES, reps: int = 5) -> tuple[dict, list[dict]]:
+    """A fitted ring Link per (world size, kind): gloo implements each collective its own way
+    (its reduce-scatter is no bandwidth-optimal ring), so each kind has its own constants."""
+    from zero_ref.launch import spawn
+
+    links, rows = {}, []
+    for world in worlds:
+        measured = spawn(_time_collectives, world, sizes, reps, timeout=600)[0]
+        rows += measured
+        for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+            links[(world, kind)] = fit_link([r for r in measured if r["kind"] == kind])
+    return links, rows
+
+
+def calibrate(vocab: int, quick: bool = False, threads=(1,)) -> dict:
+    """Everything cpu_cluster needs, measured now on this machine, at each thread count per rank."""
+    cores = len(os.sched_getaffinity(0))
+    start = time.perf_counter()
+    rates = {t: compute_rates(t, vocab, reps=3 if quick else 5) for t in threads}
+    adamw = {t: step_rate(t) for t in threads}
+    links, link_rows = measure_links(reps=3 if quick else 5)
+    return {"cores": cores, "threads": list(threads), "rates": rates, "adamw": adamw, "links": links, "link_rows": link_rows,
+            "vocab": vocab, "seconds": time.perf_counter() - start}
+
+
+def cpu_cluster(cal: dict, world: int, threads: int = 1) -> pm.Cluster:
+    """The perf_model.Cluster of ``world`` ranks of ``threads`` threads on this machine (one node)."""
+    by_kind = {kind: link for (w, kind), link in cal["links"].items() if w == world}
+    link = by_kind.get("all_reduce", pm.Link(float("inf"), 0.0))
+    cluster = pm.Cluster(f"this machine, {world} rank(s) x {threads} thread(s)",
+                         {name: pm.Rate(points) for name, points in cal["rates"][threads].items()}, cal["adamw"][threads], world, link, link.bandwidth, link.latency, pm.Link(float("inf"), 0.0),
+                         intra_by_kind=by_kind)
+    return cluster.with_ranks_sharing_cores(world, cal["cores"], threads)

@@ -1,0 +1,261 @@
+"""results/throughput/: the throughput study's plots, REPORT.md and headline rows (`zero-ref reproduce`).
+
+    python -m experiments.throughput_report [--quick] [--out results/throughput]
+
+Runs experiments/throughput_study.py (calibration, validation against timed runs, superlinear
+scaling at our scale) and experiments/paper_projection.py (Figures 2, 3, 4, 8 on the paper's
+machine), then draws the figures in the paper's style and writes the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from experiments import paper_projection, throughput_study  # noqa: E402
+from experiments.provenance import ROOT, provenance  # noqa: E402
+from zero_ref import perf_model as pm  # noqa: E402
+
+PAPER = dict(color="black", marker="o", zorder=5, label="paper (read from the figure, ±0.5)")
+
+
+def _size(label: str) -> float:
+    return float(label.rstrip("B"))
+
+
+def plot_paper_figures(out: Path, frame: pd.DataFrame, fig3: pd.DataFrame) -> None:
+    sns.set_theme(style="whitegrid")
+    fig, axes = plt.subplots(2, 2, figsize=(14, 10))
+    # Fig 2: bars by model size, ZeRO-100B and the Megatron baseline, model vs paper
+    fig2 = frame[frame.figure == "Fig 2"].assign(size=lambda d: d.label.map(_size)).sort_values("size")
+    ax = axes[0, 0]
+    sizes = list(dict.fromkeys(fig2.label))
+    for i, (system, colour) in enumerate((("ZeRO", "tab:blue"), ("Baseline", "tab:orange"))):
+        part = fig2[fig2.system == system].set_index("label").reindex(sizes)
+        xs = [k + (i - 0.5) * 0.38 for k in range(len(sizes))]
+        ax.bar(xs, part.model_tflops, width=0.38, color=colour, alpha=0.7,
+               label=f"{'ZeRO-100B' if system == 'ZeRO' else 'Megatron baseline'}: model")
+        ax.scatter(xs, part.paper_tflops, color="black", marker="o" if system == "ZeRO" else "x", zorder=5,
+                   label=f"{'ZeRO-100B' if system == 'ZeRO' else 'Megatron baseline'}: paper")
+    ax.set_xticks(range(len(sizes)), sizes)
+    ax.set(title="Fig 2: TFLOPS per GPU, 400 V100s", xlabel="model size", ylabel="TFLOPS per GPU")
+    ax.legend(fontsize=8)
+    # Fig 3: aggregate against GPUs with an ideal-linear reference
+    ax = axes[0, 1]
+    ax.plot(fig3.gpus, fig3.paper_aggregate_pflops, **PAPER)
+    ax.plot(fig3.gpus, fig3.model_aggregate_pflops, marker="s", label="model, the paper's batches")
+    ax.plot(fig3.gpus, fig3.model_batch16_aggregate_pflops, marker="^", linestyle=":", label="model, batch 16 at every size")
+    ax.plot(fig3.gpus, fig3.paper_aggregate_pflops.iloc[0] * fig3.gpus / fig3.gpus.iloc[0], color="grey",
+            linestyle="--", label="ideal linear from the paper's 64 GPUs")
+    ax.set(title="Fig 3: 60B model, superlinear scaling", xlabel="GPUs", ylabel="aggregate PFLOPS")
+    ax.legend(fontsize=8)
+    # Fig 4: TFLOPS against model size, no model parallelism, 128 GPUs
+    ax = axes[1, 0]
+    fig4 = frame[frame.figure == "Fig 4"].assign(size=lambda d: d.label.map(_size)).sort_values("size")
+    for system, style in (("ZeRO", "-"), ("Baseline", ":")):
+        part = fig4[fig4.system == system]
+        ax.plot(part["size"], part.model_tflops, marker="s", linestyle=style, label=f"{system}: model")
+        ax.plot(part["size"], part.paper_tflops, color="black", marker="o" if system == "ZeRO" else "x",
+                linestyle=style, zorder=5, label=f"{system}: paper")
+    ax.set(title="Fig 4: no model parallelism, 128 GPUs", xlabel="model size (B parameters)", ylabel="TFLOPS per GPU")
+    ax.legend(fontsize=8)
+    # Fig 8: C1-C5 for 60B (128 GPUs) and C5 for 170B (400 GPUs): no numbers in the paper
+    ax = axes[1, 1]
+    fig8 = frame[frame.figure == "Fig 8"]
+    labels = [f"{r.label} {r.config}\nbatch {r.batch_per_gpu}" for r in fig8.itertuples()]
+    ax.bar(labels, fig8.model_tflops, color="tab:green", alpha=0.7, label="model (the paper gives no numbers)")
+    ax.set(title="Fig 8: TFLOPS per GPU by ZeRO configuration", ylabel="TFLOPS per GPU")
+    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "paper_figures.png", dpi=120)
+    plt.close(fig)
+
+
+def plot_our_scale(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame) -> None:
+    sns.set_theme(style="whitegrid")
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    ax = axes[0]
+    checks = checks.assign(run=lambda d: [f"w{r.world} s{r.stage}" + (f" mp{r.mp} {r.checkpoints}" if r.mp > 1 else "")
+                                          for r in d.itertuples()])
+    sns.barplot(checks, x="run", y="ratio", hue="phase", ax=ax)
+    ax.axhspan(0.85, 1.15, color="green", alpha=0.1, label="within 15%")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set(title="performance model / measured, per phase (this CPU, gloo)", ylabel="predicted / measured")
+    ax.tick_params(axis="x", labelsize=8, rotation=30)
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    grown = scaling[scaling.case == "batch that fits"]
+    fixed = pd.concat([grown[grown.nd == 1], scaling[scaling.case == "Nd=1's batch"]])
+    ax.plot(grown.nd, grown.samples_per_s, marker="o", label="the batch that fits the budget")
+    ax.plot(fixed.nd, fixed.samples_per_s, marker="s", linestyle=":", label="Nd=1's batch at every Nd")
+    ax.plot(grown.nd, grown.samples_per_s.iloc[0] * grown.nd, color="grey", linestyle="--", label="ideal linear from Nd=1")
+    for r in grown.itertuples():
+        ax.annotate(f"batch {r.batch}", (r.nd, r.samples_per_s), textcoords="offset points", xytext=(5, -12), fontsize=8)
+    ax.set(title="superlinear at our scale: Pos+g, fixed per-rank budget", xlabel="Nd (ranks)",
+           ylabel="aggregate samples/s (measured)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "our_scale.png", dpi=120)
+    plt.close(fig)
+
+
+def _table(frame: pd.DataFrame, columns: list[str], digits: int = 2) -> list[str]:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in frame[columns].itertuples(index=False):
+        cells = [f"{v:.{digits}f}" if isinstance(v, float) else str(v) for v in row]
+        lines.append("| " + " | ".join(c.replace("nan", "") for c in cells) + " |")
+    return lines
+
+
+def write_report(out: Path, study: dict, frame: pd.DataFrame, fig3: pd.DataFrame, meta: dict) -> list[dict]:
+    """REPORT.md for results/throughput and the headline rows."""
+    checks, scaling = study["validation"], study["superlinear"]
+    within = (checks.ratio - 1).abs() <= 0.15
+    totals = checks[checks.phase == "total"]
+    grown = scaling[scaling.case == "batch that fits"].set_index("nd")
+    goals = frame[frame.paper_tflops.notna()]
+    limited = goals[goals.goal_pct == 15]
+    rest = goals[goals.goal_pct == 30]
+    v100 = pm.V100_DGX2
+    lines = [
+        "# Throughput: the performance model, checked on our runs, then projected to the paper's machine", "",
+        f"Generated by `{meta['command']}` at git `{meta['git_revision']}` on {meta['date_utc']} "
+        f"({meta['seconds']:.0f} s, {meta['hardware']['cores']} cores, {meta['hardware']['cpu']}).", "",
+        "FLOPs are Megatron-LM's count (`zero_ref.perf_model.training_flops`): **checkpoint recomputation "
+        "is counted** (96·b·s·l·h²·(1 + s/6h + V/16lh)); the paper does not say how it counted.", "",
+        "## 1. The model against timed runs on this machine", "",
+        "Calibration (measured now, `experiments/calibrate.py`): block and head FLOP rates on a (tokens, hidden) "
+        "grid, the engine's optimizer step per element, and gloo's all-reduce / reduce-scatter / all-gather "
+        "fitted per world size to a ring (latency, bandwidth): `calibration_rates.csv`, `calibration_links.csv`. "
+        "Validation: a held-out model (6 x 320, 10 heads, batch 3 x 128 tokens: between the grid's points), "
+        "one thread per rank, each phase's median over timed steps against the model's prediction "
+        "(with the run's own collective counts). World sizes above the core count share cores "
+        "(the model's `compute_share`).", "",
+        f"**{int(within.sum())} of {len(checks)} predictions within 15%** (whole steps: "
+        f"{int(((totals.ratio - 1).abs() <= 0.15).sum())} of {len(totals)}); median error "
+        f"{study['validation_median_error']:.1%}. `spread` is (slowest - fastest) / median of the timed steps: "
+        "this machine is shared, so a single run's phases move by that much.", "",
+        *_table(checks, ["world", "stage", "mp", "checkpoints", "phase", "measured_s", "predicted_s", "ratio",
+                         "spread"], 3), "",
+        "## 2. Superlinear scaling at our scale (Sec 10.3's mechanism, measured)", "",
+        f"Pos+g (stage 2), model 4 x 256 (vocab {throughput_study.VOCAB}, seq 128), fp32, one thread per rank; "
+        f"a per-rank budget of {scaling.budget_mb.iloc[0]:.1f} MB, set so that batch 2 fits one rank (the "
+        "engine's own allocation trace of a steady-state step on meta tensors, `throughput.step_peak_bytes`, which "
+        "equals what the real runs' recorder measures: `peak_mb`). The first step peaks higher once "
+        "(`first_step_peak_mb`: the buckets are repacked in gradient-arrival order and both layouts exist for a "
+        "moment) and is not part of the budget.", "",
+        *_table(scaling, ["nd", "case", "batch", "peak_mb", "first_step_peak_mb", "step_s", "samples_per_s",
+                          "samples_per_s_per_rank", "speedup_vs_nd1", "fixed_s", "predicted_step_s",
+                          "predicted_speedup_one_core_per_rank", "compute_share"], 3), "",
+        "Reading it: the batch that fits grows with Nd because Pos+g's per-rank states shrink "
+        f"({', '.join(f'Nd={nd}: batch {b}' for nd, b in study['superlinear_meta']['fits'].items())}). "
+        "`speedup_vs_nd1` > Nd is superlinear; the same Nd at Nd=1's batch separates what the larger batch adds "
+        "from what more ranks add. The mechanism, from the phases: a step has costs that do not grow with the "
+        "batch (`fixed_s`: the optimizer over the rank's shard, the reductions and the regather, which the "
+        "model takes from the run's own counts) and the compute rate rises with tokens per GEMM "
+        "(`calibration_rates.csv`), so samples/s per rank rises with the batch. Rows with `compute_share` < 1 "
+        "ran more ranks than cores; `predicted_speedup_one_core_per_rank` is the model with a core per rank.", "",
+        "## 3. The paper's figures from the model (`paper_projection.py`)", "",
+        f"Machine: {v100.name}. Sources of each number:", "",
+        *[f"- `{k}`: {v}" for k, v in v100.sources.items()], "",
+        "Data-parallel traffic per step: the real engine at scale (one step on meta tensors as one rank of a "
+        "fake group of Nd ranks), counted below the engine. `memory_gb`: the memory study's accounting of the "
+        "run (fragmentation 1.5%, the largest the fragmentation study measured); `largest_batch_32gb`: the "
+        "largest batch per GPU it lets fit a 32 GB V100.", "",
+        f"Goals (the issue): compute/communication-limited points within 15%: **{int(limited.within_goal.sum())} of "
+        f"{len(limited)}**; the rest within 30%: **{int(rest.within_goal.sum())} of {len(rest)}** (the goal asks for "
+        "an explicit, measured memory-pressure term; **the model has none**, see below).", "",
+        *_table(frame, ["figure", "label", "system", "config", "gpus", "mp", "batch_per_gpu", "paper_tflops",
+                        "model_tflops", "error_pct", "goal_pct", "memory_gb", "largest_batch_32gb"], 1), "",
+        "Terms (seconds per step) are in `paper_projection.csv`. Fig 3 against ideal-linear scaling:", "",
+        *_table(fig3, ["gpus", "batch_per_gpu", "paper_aggregate_pflops", "model_aggregate_pflops",
+                       "model_batch16_aggregate_pflops", "paper_vs_linear", "model_vs_linear",
+                       "model_batch16_vs_linear", "largest_batch_32gb"], 2), "",
+        "![paper figures](paper_figures.png)", "", "![our scale](our_scale.png)", "",
+        "## What holds and what does not", "",
+        "- Shapes: Megatron's collapse once model parallelism leaves a node (Fig 2: the model's baseline falls from "
+        f"{frame[(frame.figure == 'Fig 2') & (frame.system == 'Baseline') & (frame.label == '20B')].model_tflops.iloc[0]:.1f} "
+        f"TFLOPS at 20B, MP 16 in a node, to {frame[(frame.figure == 'Fig 2') & (frame.system == 'Baseline') & (frame.label == '40B')].model_tflops.iloc[0]:.1f} "
+        "at 40B, MP 32 across two nodes, and on down) and ZeRO's flat 40-100B hold. The model's baseline collapse is "
+        "too mild at 40B-60B (it counts only bandwidth and per-hop latency of MP all-reduces; the paper's 4.7 "
+        "TFLOPS at 40B needs more).",
+        "- Fig 4's plateau then fall past ~10B comes out only partly: the model falls at 13B (batch 2: the "
+        "data-parallel reductions of 13B parameters over 8 nodes weigh against the compute of two sequences), "
+        "but its plateau is flat at the published 39 TFLOPS (Megatron-LM's single-V100 rate) where the paper "
+        "reached 43-47 TFLOPS at 4-8B: the rate, a published number, is the largest error, not a fitted one.",
+        "- Fig 3: the model is superlinear only mildly (`model_vs_linear` ~1.08 against the paper's ~1.47); "
+        "at a fixed batch of 16 it is sublinear. The model's only batch effect is amortising per-step costs (the "
+        "data-parallel collectives and the optimizer); its GEMMs are already at the saturated rate at 16K tokens. "
+        "The paper's 64-GPU point (25.4 TFLOPS) is far below what compute and communication explain (+20%): "
+        "what it lost must be memory pressure at Nd=4 (states take 20.6 of 32 GB per GPU), which the model "
+        "does not have. Our accounting also lets more than the paper's batch fit at every size "
+        "(`largest_batch_32gb`), so memory, not a chosen batch, limited the paper by less than it seems.",
+        "- Not built: a memory-pressure term (what the caching allocator does when memory is nearly full: "
+        "cudaFree of cached blocks and retries, each a device synchronisation). Its frequency can be counted "
+        "with zero_ref.caching_allocator on the engine's traces; its cost needs a GPU (none lent so far).",
+        "- Fig 8: no numbers in the paper. The model reproduces the paper's qualitative claims: throughput "
+        "follows the batch each configuration allows, and C5 (Pa+cpu) is slower than C4 at 60B "
+        f"({frame[(frame.figure == 'Fig 8') & (frame.config == 'C5') & (frame.label == '60B')].model_tflops.iloc[0]:.1f} vs "
+        f"{frame[(frame.figure == 'Fig 8') & (frame.config == 'C4')].model_tflops.iloc[0]:.1f} TFLOPS; its batch is "
+        "8 against 32).",
+    ]
+    (out / "REPORT.md").write_text("\n".join(lines) + "\n")
+    headline = [{"item": f"{r.figure} {r.label} {r.system}{' ' + r.config if r.config else ''}, TFLOPS per GPU",
+                 "paper": f"{r.paper_tflops:.1f}", "ours": f"{r.model_tflops:.1f}",
+                 "error": f"{r.error_pct:+.1f}% (goal {r.goal_pct:.0f}%: {r.within_goal})",
+                 "how": "performance model, published V100 numbers; DP traffic from the engine at scale"}
+                for r in goals.itertuples()]
+    headline.append({"item": "Fig 3 superlinearity, 128 GPUs vs 64 (aggregate / ideal linear)",
+                     "paper": f"{fig3.paper_vs_linear.iloc[1]:.2f}x", "ours": f"{fig3.model_vs_linear.iloc[1]:.2f}x",
+                     "error": "mechanism: batch amortises per-step costs; memory pressure not modelled",
+                     "how": "performance model"})
+    nd_max = grown.index.max()
+    headline.append({"item": f"superlinear at our scale: Pos+g, fixed budget, Nd=1 -> {nd_max}",
+                     "paper": "aggregate grows faster than Nd (Sec 10.3)",
+                     "ours": f"batch {grown.batch.iloc[0]} -> {grown.batch.loc[nd_max]}, "
+                             f"{grown.speedup_vs_nd1.loc[nd_max]:.2f}x Nd=1's samples/s",
+                     "error": f"superlinear: {grown.speedup_vs_nd1.loc[nd_max] > nd_max}", "how": "real run"})
+    headline.append({"item": "performance model vs timed runs (phases and steps, world 1-4, stages 0-3, MP 2)",
+                     "paper": "(our goal: within 15%)", "ours": f"{int(within.sum())} of {len(checks)} within 15%",
+                     "error": f"median {study['validation_median_error']:.1%}", "how": "real run"})
+    return headline
+
+
+def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
+    """Everything above; the entry of `zero-ref reproduce`."""
+    start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    study = throughput_study.run(out, quick)
+    frame = paper_projection.projections()
+    frame.to_csv(out / "paper_projection.csv", index=False)
+    fig3 = paper_projection.superlinear_mechanism(frame)
+    fig3.to_csv(out / "fig3_mechanism.csv", index=False)
+    plot_paper_figures(out, frame, fig3)
+    plot_our_scale(out, study["validation"], study["superlinear"])
+    meta = provenance() | {"quick": quick, "seconds": round(time.perf_counter() - start, 1),
+                           "calibration_seconds": round(study["calibration"]["seconds"], 1)}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    headline = write_report(out, study, frame, fig3, meta)
+    return {"headline": headline, "meta": meta}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "throughput")
+    args = parser.parse_args(argv)
+    return run_study(args.out, args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Throughput at our own scale: the performance model checked against timed runs, and superlinear
+scaling reproduced by the mechanism the paper names (Sec 10.3), measured.
+
+1. **Calibration** (experiments/calibrate.py): block/head FLOP rates on a (tokens, hidden) grid,
+   the AdamW rate and gloo's collectives, measured on this machine now.
+2. **Validation**: timed runs (experiments/throughput.py) of a held-out model (its width and batch
+   lie between the calibration grid's points) at world 1-4 and stages 0-3, plus one
+   model-parallel run (MP 2, Pa); each phase (forward, backward, step) and the whole step
+   predicted by zero_ref.perf_model from the calibration and the run's own collective counts.
+   Goal: every prediction within 15% of the measured median.
+3. **Superlinear scaling at our scale**: a fixed model (stage 2, Pos+g) and a fixed per-rank
+   memory budget, the engine's own allocation trace of a steady-state step as the accounting (the
+   budget lets batch 2 fit on one rank; the first step's higher peak is reported beside it). For Nd = 1, 2, 4 the largest batch that fits is found by search; it
+   grows with Nd because Pos+g's per-rank states shrink. Each Nd is timed at that batch and at
+   Nd=1's batch, so the gain from the batch is measured apart from the gain from more ranks.
+
+Outputs in results/throughput/: calibration_*.csv, validation.csv, superlinear.csv, their plots
+(written by paper_projection.py's report together with the paper's figures).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+import pandas as pd
+
+from experiments import calibrate
+from experiments.throughput import RunSpec, max_batch, step_peak_bytes
+from experiments.throughput import main as throughput_main
+from zero_ref import perf_model as pm
+
+VOCAB = 4096
+HELD_OUT = RunSpec(layers=6, hidden=320, heads=10, seq=calibrate.SEQ, vocab=VOCAB, batch=3, steps=12, warmup=3,
+                   profile_steps=1, threads=1)
+"""The validation model: hidden 320 and 3 x 128 tokens lie between calibration points."""
+SUPERLINEAR = RunSpec(layers=4, hidden=256, heads=4, seq=calibrate.SEQ, vocab=VOCAB, stage=2, steps=12, warmup=3,
+                      profile_steps=1, threads=1)
+"""The superlinear study's fixed model (Pos+g, fp32)."""
+
+
+def _argv(spec: RunSpec, world: int, out: str) -> list[str]:
+    argv = ["--world-size", str(world), "--out", out]
+    for name, value in spec.__dict__.items():
+        if isinstance(value, bool):
+            argv += [f"--{name.replace('_', '-')}"] if value else []
+        else:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def timed(spec: RunSpec, world: int, out: str) -> dict:
+    """One timed run through the command line's own path (spawned gloo ranks)."""
+    return throughput_main(_argv(spec, world, out))
+
+
+def predicted(row: dict, cal: dict, one_core_per_rank: bool = False) -> pm.Prediction:
+    """The model's step for a timed run's row: its shape and world, its own collective counts
+    (``one_core_per_rank``: as if every rank had its cores to itself)."""
+    spec = RunSpec(**{k: type(getattr(RunSpec, k))(row[k]) if not isinstance(getattr(RunSpec, k), bool)
+                      else str(row[k]) == "True" for k in RunSpec.__dataclass_fields__})
+    nd = int(row["nd"])
+    moved = {k: float(row.get(f"ledger_{k}") or 0) for k in ("all_reduce", "reduce_scatter", "all_gather",
+                                                               "broadcast")}
+    calls = {k: float(row.get(f"calls_{k}") or 0) for k in moved}
+    if spec.mp > 1:       # the model-parallel all-reduces are the model's, not the engine's
+        calls["all_reduce"] = max(1.0, calls["all_reduce"] - (spec.layers * 5 + 2))
+    step = pm.StepSpec(spec.layers, spec.hidden, spec.seq, spec.vocab, spec.batch, nd, spec.mp, spec.stage,
+                       spec.checkpoints, 4, {k: v for k, v in moved.items() if v}, calls,
+                       pm.optimizer_elements(int(row["local_params"]), spec.stage, nd))
+    cluster = calibrate.cpu_cluster(cal, int(row["world_size"]))
+    return pm.predict(step, replace(cluster, compute_share=1.0) if one_core_per_rank else cluster)
+
+
+def validation(cal: dict, out: str, quick: bool) -> pd.DataFrame:
+    """Predicted vs measured per phase for the held-out runs."""
+    runs = [(w, replace(HELD_OUT, stage=s)) for w in ((1, 2) if quick else (1, 2, 3, 4))
+            for s in ((0, 3) if quick else (0, 1, 2, 3))]
+    runs.append((2, replace(HELD_OUT, stage=1, mp=2, checkpoints="pa")))
+    rows = []
+    for world, spec in runs:
+        row = timed(spec, world, out)
+        p = predicted(row, cal)
+        phases = p.phases()
+        for phase in ("forward", "backward", "step", "total"):
+            measured = float(row["median_step_s"] if phase == "total" else row[f"{phase}_s"])
+            model = p.seconds if phase == "total" else phases[phase]
+            rows.append({"world": world, "stage": spec.stage, "mp": spec.mp, "checkpoints": spec.checkpoints,
+                         "batch": spec.batch, "phase": phase, "measured_s": measured, "predicted_s": model,
+                         "ratio": model / measured, "spread": float(row["spread"]),
+                         "compute_share": calibrate.cpu_cluster(cal, world).compute_share})
+    return pd.DataFrame(rows)
+
+
+def superlinear(cal: dict, out: str, quick: bool) -> tuple[pd.DataFrame, dict]:
+    """Nd = 1, 2, 4 (quick: 1, 2) under one per-rank budget: the batch that fits, timed at that batch
+    and at Nd=1's, with the model's prediction beside each (and with one core per rank)."""
+    base = SUPERLINEAR
+    budget = step_peak_bytes(base, 1, 2) * 1.02
+    fits = {nd: max_batch(base, nd, budget) for nd in ((1, 2) if quick else (1, 2, 4))}
+    first_step = {nd: step_peak_bytes(base, nd, b, steady=False) for nd, b in fits.items()}
+    rows = []
+    for nd, batch in fits.items():
+        for label, b in (("batch that fits", batch), ("Nd=1's batch", fits[1])):
+            if label == "Nd=1's batch" and nd == 1:
+                continue
+            row = timed(replace(base, batch=b), nd, out)
+            model, one_core = predicted(row, cal), predicted(row, cal, one_core_per_rank=True)
+            rows.append({"nd": nd, "case": label, "batch": b, "budget_mb": budget / 1e6,
+                         "first_step_peak_mb": first_step[nd] / 1e6 if b == batch else float("nan"),
+                         "peak_mb": float(row["peak_gb"]) * 1e3,
+                         "measured_first_step_peak_mb": float(row["first_step_peak_gb"]) * 1e3, "step_s": float(row["median_step_s"]),
+                         "samples_per_s": float(row["samples_per_s"]),
+                         "samples_per_s_per_rank": float(row["samples_per_s"]) / nd,
+                         "tflops_per_rank": float(row["tflops_per_rank"]),
+                         "forward_s": float(row["forward_s"]), "backward_s": float(row["backward_s"]),
+                         "step_phase_s": float(row["step_s"]),
+                         "fixed_s": model.terms["optimizer"] + model.terms["dp_step"] + model.terms["dp_backward"],
+                         "predicted_step_s": model.seconds,
+                         "predicted_samples_per_s_one_core_per_rank": b * nd / one_core.seconds,
+                         "compute_share": calibrate.cpu_cluster(cal, nd).compute_share})
+    frame = pd.DataFrame(rows)
+    grown = frame[frame.case == "batch that fits"].set_index("nd")
+    one = grown.loc[1, "samples_per_s"]
+    frame["speedup_vs_nd1"] = frame.samples_per_s / one
+    frame["predicted_speedup_one_core_per_rank"] = (frame.predicted_samples_per_s_one_core_per_rank
+                                                    / grown.loc[1, "predicted_samples_per_s_one_core_per_rank"])
+    return frame, {"budget_bytes": budget, "fits": fits}
+
+
+def calibration_frames(cal: dict) -> tuple[pd.DataFrame, pd.DataFrame]:
+    rates = [{"threads": t, "tokens": tok, "hidden": h} | {f"{name}_gflops": points[(tok, h)] / 1e9
+                                                           for name, points in by_name.items()}
+             | {"step_melem_per_s": cal["adamw"][t] / 1e6}
+             for t, by_name in cal["rates"].items() for tok, h in by_name["block_forward"]]
+    links = pd.DataFrame(cal["link_rows"])
+    links["fitted_s"] = [pm.collective_seconds(r.kind, r.moved, 4, r.world, cal["links"][(r.world, r.kind)])
+                         for r in links.itertuples()]
+    links["bandwidth_mb_s"] = [cal["links"][(r.world, r.kind)].bandwidth / 1e6 for r in links.itertuples()]
+    links["latency_us"] = [cal["links"][(r.world, r.kind)].latency * 1e6 for r in links.itertuples()]
+    return pd.DataFrame(rates), links
+
+
+def run(out, quick: bool = False) -> dict:
+    """Calibrate, validate, measure superlinear scaling; write the CSVs; return the frames."""
+    out.mkdir(parents=True, exist_ok=True)
+    runs = str(out / "runs")
+    cal = calibrate.calibrate(VOCAB, quick)
+    rates, links = calibration_frames(cal)
+    rates.to_csv(out / "calibration_rates.csv", index=False)
+    links.to_csv(out / "calibration_links.csv", index=False)
+    checks = validation(cal, runs, quick)
+    checks.to_csv(out / "validation.csv", index=False)
+    scaling, scaling_meta = superlinear(cal, runs, quick)
+    scaling.to_csv(out / "superlinear.csv", index=False)
+    within = (checks.ratio - 1).abs() <= 0.15
+    return {"calibration": cal, "rates": rates, "links": links, "validation": checks, "superlinear": scaling,
+            "superlinear_meta": scaling_meta, "validation_within_15": float(within.mean()),
+            "validation_median_error": float(statistics.median((checks.ratio - 1).abs()))}
