@@ -367,7 +367,10 @@ def spec_from(args: argparse.Namespace, world: int | None = None) -> tuple[RunSp
     if args.config:
         preset = PAPER_CONFIGS[args.config]
         spec = replace(spec, stage=preset.stage, checkpoints=preset.checkpoints, md=preset.md)
-    given = {f.name: getattr(args, f.name) for f in fields(RunSpec) if getattr(args, f.name) not in (None, False)}
+    # flags given on the command line (None: not given; store_true flags: False when not given, and
+    # 0 == False, so compare by identity)
+    given = {f.name: getattr(args, f.name) for f in fields(RunSpec)
+             if getattr(args, f.name) is not None and getattr(args, f.name) is not False}
     return replace(spec, **given), gpus
 
 

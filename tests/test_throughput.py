@@ -148,6 +148,9 @@ def test_command_line_errors_and_dry_runs(capsys):
         tp.main(["--mp", "2", "--heads", "8", "--world-size", "3", "--dry-run"])
     with pytest.raises(ValueError, match="no run '61B'"):
         tp.main(["--paper", "Fig 3", "--label", "61B", "--dry-run"])
+    tp.main(["--stage", "0", "--warmup", "0", "--dry-run"])         # zeros are values, not "not given"
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plan["spec"]["stage"] == 0 and plan["spec"]["warmup"] == 0
     tp.main(["--paper", "Fig 3", "--label", "60B", "--world-size", "256", "--dry-run"])
     plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert plan["spec"]["batch"] == 48 and plan["nd"] == 16 and plan["paper_gpus"] == 256
