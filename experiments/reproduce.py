@@ -7,8 +7,10 @@ paper claim it checks: ``item``, ``paper`` (the paper's value), ``ours``, ``erro
 ``results/REPORT.md``: a single page, every paper table and figure with the paper's value, ours,
 and how ours was obtained. Later studies plug in by adding an entry to ``STUDIES``.
 
-    python -m experiments.reproduce            # the default: about 43 minutes on 2 CPU cores
+    python -m experiments.reproduce            # the default: about 55 minutes on 2 CPU cores
     python -m experiments.reproduce --quick    # about 4 minutes: fewer cases, traces and real runs, no benchmarks
+                                               # and no throughput study
+    python -m experiments.reproduce --only throughput    # one study (about 12 minutes)
 """
 
 from __future__ import annotations
