@@ -26,7 +26,8 @@ starts each step):
 
 ``--max-batch-budget-gb X`` first searches the largest batch per rank whose steps fit X GB on
 this rank (the engine's own allocation trace of those steps on meta tensors, ``step_peak_bytes``),
-then times that batch. ``--dry-run`` checks the arguments and prints the plan without starting
+then times that batch; on CUDA the run is held to X GB (``set_per_process_memory_fraction``), so a
+search that undercounts fails loudly (out of memory) instead of timing a run that does not fit. ``--dry-run`` checks the arguments and prints the plan without starting
 anything (the SLURM scripts' test uses it). Rank 0 appends one row to ``--out``/throughput.csv
 and writes the per-step times beside it.
 """
@@ -76,6 +77,7 @@ class RunSpec:
     profile_steps: int = 2
     seed: int = 0
     threads: int = 0                   # torch threads per rank; 0: the launcher's choice
+    budget_gb: float = 0.0             # CUDA: cap each rank's device memory at this (0: no cap)
 
     def check(self, world_size: int | None = None) -> "RunSpec":
         """Raise ValueError naming the field and what is allowed; return self."""
@@ -83,7 +85,7 @@ class RunSpec:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)} must be >= 1")
-        for name in ("warmup", "profile_steps", "bucket_numel", "threads"):
+        for name in ("warmup", "profile_steps", "bucket_numel", "threads", "budget_gb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} = {getattr(self, name)} must be >= 0")
         if self.stage not in range(4):
@@ -182,6 +184,9 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict:
     spec.check(world_size)
     if spec.threads:
         torch.set_num_threads(spec.threads)
+    if spec.budget_gb and device.type == "cuda":      # the budget enforced: past it the allocator raises OOM
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec.budget_gb * 1e9 / total), device)
     # on the CPU the warm-up records every allocation from the model's construction on (alloc_trace):
     # the peak of its steps is what the rank holds at most; on CUDA the allocator says it
     recording = record_allocations({"cpu"}) if device.type == "cpu" else contextlib.nullcontext()
@@ -338,7 +343,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         if f.type in ("bool", bool):
             parser.add_argument(flag, action="store_true", help="(default off)")
         else:
-            parser.add_argument(flag, type=int if f.type in ("int", int) else str, default=None,
+            parser.add_argument(flag, type={"int": int, "float": float}.get(str(f.type), str), default=None,
                                 help=f"(default {f.default})")
     parser.add_argument("--config", choices=sorted(PAPER_CONFIGS), help="a paper configuration: sets stage, "
                         "checkpoints and md")
@@ -394,7 +399,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(json.dumps(plan))
         return None
     if args.max_batch_budget_gb is not None:
-        spec = replace(spec, batch=max_batch(spec, nd, args.max_batch_budget_gb * 1e9))
+        spec = replace(spec, batch=max_batch(spec, nd, args.max_batch_budget_gb * 1e9),
+                       budget_gb=args.max_batch_budget_gb)
         if spec.batch == 0:
             raise SystemExit(f"not even one sequence per rank fits {args.max_batch_budget_gb} GB")
     if under_launcher:

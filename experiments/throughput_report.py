@@ -187,7 +187,10 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
         "batch (`fixed_s`: the optimizer over the rank's shard, the reductions and the regather, which the "
         "model takes from the run's own counts) and the compute rate rises with tokens per GEMM "
         "(`calibration_rates.csv`), so samples/s per rank rises with the batch. Rows with `compute_share` < 1 "
-        "ran more ranks than cores; `predicted_speedup_one_core_per_rank` is the model with a core per rank.", "",
+        "ran more ranks than cores; `predicted_speedup_one_core_per_rank` is the model with a core per rank. "
+        "On a cluster the same study is one command per Nd: `torchrun --nnodes N --nproc_per_node 16 ... -m "
+        "experiments.throughput --stage 2 --layers L --hidden H --max-batch-budget-gb X` (the search, then the "
+        "run held to X GB per GPU by `set_per_process_memory_fraction`).", "",
         "## 3. The paper's figures from the model (`paper_projection.py`)", "",
         f"Machine: {v100.name}. Sources of each number:", "",
         *[f"- `{k}`: {v}" for k, v in v100.sources.items()], "",
