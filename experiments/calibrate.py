@@ -5,15 +5,17 @@ AdamW rate and the collectives' latency and bandwidth. Nothing here is fitted to
   the block the timed runs train) on a grid of (tokens, hidden) at ``seq`` positions, FLOPs as
   perf_model.training_flops counts them (backward = 2x forward) over the median times: FLOP/s;
 * **head rates**: the same for the logits (tied embedding) and the loss: 2·t·h·V FLOPs forward;
-* both at each thread count per rank asked for (the timed runs use one thread per rank);
-* **step rate**: the engine's whole optimizer step per element (norm, AdamW, clearing gradients),
-  at world size 1 on a model unlike the timed ones;
+* **step rate**: the engine's whole optimizer step per element (norm, AdamW, clearing gradients)
+  on a model unlike the timed ones;
+* all three with one thread per rank (as the timed runs) and, for each world size p, p ranks
+  measuring at once: ranks that share the machine's cores, caches and memory bandwidth slow each
+  other down, and that is part of what a rank of a p-rank run computes at;
 * **links**: at each world size p, all-reduce, reduce-scatter and all-gather of 16K..4M fp32
   elements over gloo, timed (median of the slowest rank), and per kind one ring ``Link(bandwidth,
   latency)`` fitted by least squares to t = (p-1)/p·moved·4/bandwidth + hops·(p-1)·latency.
 
 ``cpu_cluster(calibration, world)`` turns the measurements into a perf_model.Cluster for a run of
-``world`` ranks on this machine (compute shared when ranks outnumber cores).
+``world`` ranks on this machine.
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ def _median_seconds(fn, reps: int = 5, warmup: int = 1) -> float:
 
 
 def compute_rates(threads: int, vocab: int, seq: int = SEQ, tokens=GRID_TOKENS, hiddens=GRID_HIDDEN,
-                  reps: int = 5) -> dict[str, dict]:
+                  reps: int = 5, sync=lambda: None) -> dict[str, dict]:
     """FLOP/s of a block's and of the head's forward and backward at each (tokens, hidden), with
-    ``threads`` threads (fp32): {"block_forward": {(tokens, hidden): FLOP/s}, ...}."""
+    ``threads`` threads (fp32): {"block_forward": {(tokens, hidden): FLOP/s}, ...}. ``sync()`` runs
+    before each measurement (a barrier, when several ranks measure at once)."""
     from zero_ref.models import ParallelGPTBlock
 
     before = torch.get_num_threads()
@@ -67,7 +70,9 @@ def compute_rates(threads: int, vocab: int, seq: int = SEQ, tokens=GRID_TOKENS, 
                 flops = pm.training_flops(1, hidden, seq, vocab, t // seq, recompute=False)
                 forward_flops = {"block": flops["forward"], "head": flops["head"] / 3}
                 for part, run in parts.items():
+                    sync()
                     forward = _median_seconds(run, reps)
+                    sync()
                     both = _median_seconds(lambda: run().backward(), reps)
                     rates[f"{part}_forward"][(t, hidden)] = forward_flops[part] / forward
                     rates[f"{part}_backward"][(t, hidden)] = 2 * forward_flops[part] / max(both - forward, 1e-9)
@@ -76,17 +81,20 @@ def compute_rates(threads: int, vocab: int, seq: int = SEQ, tokens=GRID_TOKENS, 
     return rates
 
 
-def _engine_step_rate(rank: int, world: int, threads: int, width: int, reps: int) -> float:
+def step_rate(group, width: int = 1024, reps: int = 9, sync=lambda: None) -> float:
+    """Elements per second of the engine's whole optimizer step (gradient norm and overflow check,
+    AdamW, clearing the gradients) over ``group`` (here: this rank alone), stage 0, fp32, on a model
+    unlike the timed ones (four 1024 x 1024 linear layers)."""
     import zero_ref
 
-    torch.set_num_threads(threads)
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4)))
     params = sum(p.numel() for p in model.parameters())
-    engine = zero_ref.initialize(model, zero_ref.ZeroConfig(stage=0, bucket_numel=width * width))
+    engine = zero_ref.initialize(model, zero_ref.ZeroConfig(stage=0, bucket_numel=width * width), group)
     x = torch.randn(8, width)
     times = []
-    for rep in range(reps + 2):
+    for _ in range(reps + 2):
         engine.backward(engine(x).square().mean())
+        sync()
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
@@ -94,13 +102,13 @@ def _engine_step_rate(rank: int, world: int, threads: int, width: int, reps: int
     return params / statistics.median(times[2:])
 
 
-def step_rate(threads: int, width: int = 1024, reps: int = 9) -> float:
-    """Elements per second of the engine's whole optimizer step (gradient norm and overflow check,
-    AdamW, clearing the gradients) at world size 1, stage 0, fp32, on a model unlike the timed
-    ones (four 1024 x 1024 linear layers)."""
-    from zero_ref.launch import spawn
-
-    return spawn(_engine_step_rate, 1, threads, width, reps, timeout=600)[0]
+def _rates_at_world(rank: int, world: int, vocab: int, reps: int) -> tuple[dict, float]:
+    """Every rank of ``world`` measures the same rates at the same time (one thread each, a barrier
+    before each measurement), so the rates include what ranks sharing this machine cost each other."""
+    torch.set_num_threads(1)
+    alone = [dist.new_group([r]) for r in range(world)]       # every rank calls new_group for every group
+    rates = compute_rates(1, vocab, reps=reps, sync=dist.barrier)
+    return rates, step_rate(alone[rank], sync=dist.barrier)
 
 
 def _time_collectives(rank: int, world: int, sizes, reps: int) -> list[dict]:
@@ -152,22 +160,27 @@ def measure_links(worlds=(2, 3, 4), sizes=LINK_SIZES, reps: int = 5) -> tuple[di
     return links, rows
 
 
-def calibrate(vocab: int, quick: bool = False, threads=(1,)) -> dict:
-    """Everything cpu_cluster needs, measured now on this machine, at each thread count per rank."""
-    cores = len(os.sched_getaffinity(0))
+def calibrate(vocab: int, quick: bool = False, worlds=(1, 2, 3, 4)) -> dict:
+    """Everything cpu_cluster needs, measured now on this machine: compute and step rates with
+    ``world`` one-thread ranks computing at once, for each world size, and the collectives."""
+    from zero_ref.launch import spawn
+
     start = time.perf_counter()
-    rates = {t: compute_rates(t, vocab, reps=3 if quick else 5) for t in threads}
-    adamw = {t: step_rate(t) for t in threads}
-    links, link_rows = measure_links(reps=3 if quick else 5)
-    return {"cores": cores, "threads": list(threads), "rates": rates, "adamw": adamw, "links": links, "link_rows": link_rows,
+    measured = {w: spawn(_rates_at_world, w, vocab, 3 if quick else 5, timeout=900)[0] for w in worlds}
+    links, link_rows = measure_links([w for w in worlds if w > 1], reps=3 if quick else 5)
+    return {"cores": len(os.sched_getaffinity(0)), "worlds": list(worlds),
+            "rates": {w: rates for w, (rates, _) in measured.items()},
+            "adamw": {w: step for w, (_, step) in measured.items()}, "links": links, "link_rows": link_rows,
             "vocab": vocab, "seconds": time.perf_counter() - start}
 
 
-def cpu_cluster(cal: dict, world: int, threads: int = 1) -> pm.Cluster:
-    """The perf_model.Cluster of ``world`` ranks of ``threads`` threads on this machine (one node)."""
+def cpu_cluster(cal: dict, world: int, alone: bool = False) -> pm.Cluster:
+    """The perf_model.Cluster of ``world`` one-thread ranks on this machine (one node): compute at
+    the rates measured with ``world`` ranks computing at once (``alone``: with one, as if every rank
+    had the machine to itself), collectives at the links fitted at ``world``."""
     by_kind = {kind: link for (w, kind), link in cal["links"].items() if w == world}
     link = by_kind.get("all_reduce", pm.Link(float("inf"), 0.0))
-    cluster = pm.Cluster(f"this machine, {world} rank(s) x {threads} thread(s)",
-                         {name: pm.Rate(points) for name, points in cal["rates"][threads].items()}, cal["adamw"][threads], world, link, link.bandwidth, link.latency, pm.Link(float("inf"), 0.0),
-                         intra_by_kind=by_kind)
-    return cluster.with_ranks_sharing_cores(world, cal["cores"], threads)
+    at = 1 if alone else world
+    rates = {name: pm.Rate(points) for name, points in cal["rates"][at].items()}
+    return pm.Cluster(f"this machine, {world} one-thread rank(s)", rates, cal["adamw"][at], world, link,
+                      link.bandwidth, link.latency, pm.Link(float("inf"), 0.0), intra_by_kind=by_kind)

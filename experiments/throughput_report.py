@@ -154,8 +154,8 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
         "fitted per world size to a ring (latency, bandwidth): `calibration_rates.csv`, `calibration_links.csv`. "
         "Validation: a held-out model (6 x 320, 10 heads, batch 3 x 128 tokens: between the grid's points), "
         "one thread per rank, each phase's median over timed steps against the model's prediction "
-        "(with the run's own collective counts). World sizes above the core count share cores "
-        "(the model's `compute_share`).", "",
+        "(with the run's own collective counts). The compute and step rates of a p-rank run are those "
+        "measured with p ranks computing at once (above two, the ranks share the two cores).", "",
         f"**{int(within.sum())} of {len(checks)} predictions within 15%** (whole steps: "
         f"{int(((totals.ratio - 1).abs() <= 0.15).sum())} of {len(totals)}); median error "
         f"{median_error:.1%}. `spread` is (slowest - fastest) / median of the timed steps: "
@@ -171,7 +171,7 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
         "moment) and is not part of the budget.", "",
         *_table(scaling, ["nd", "case", "batch", "peak_mb", "first_step_peak_mb", "step_s", "samples_per_s",
                           "samples_per_s_per_rank", "speedup_vs_nd1", "fixed_s", "predicted_step_s",
-                          "predicted_speedup_one_core_per_rank", "compute_share"], 3), "",
+                          "predicted_speedup_one_core_per_rank"], 3), "",
         "Reading it: the batch that fits grows with Nd because Pos+g's per-rank states shrink "
         f"({', '.join(f'Nd={nd}: batch {b}' for nd, b in grown.batch.items())}). "
         "`speedup_vs_nd1` > Nd is superlinear; the same Nd at Nd=1's batch separates what the larger batch adds "
@@ -186,8 +186,9 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
         "is 15-55%). The mechanism, from the phases: a step has costs that do not grow with the "
         "batch (`fixed_s`: the optimizer over the rank's shard, the reductions and the regather, which the "
         "model takes from the run's own counts) and the compute rate rises with tokens per GEMM "
-        "(`calibration_rates.csv`), so samples/s per rank rises with the batch. Rows with `compute_share` < 1 "
-        "ran more ranks than cores; `predicted_speedup_one_core_per_rank` is the model with a core per rank. "
+        "(`calibration_rates.csv`), so samples/s per rank rises with the batch. "
+        "`predicted_speedup_one_core_per_rank` is the model at the rates one rank measures alone, as if each "
+        "rank had a machine to itself (Nd=4 here runs four ranks on two cores). "
         "On a cluster the same study is one command per Nd: `torchrun --nnodes N --nproc_per_node 16 ... -m "
         "experiments.throughput --stage 2 --layers L --hidden H --max-batch-budget-gb X` (the search, then the "
         "run held to X GB per GPU by `set_per_process_memory_fraction`).", "",

@@ -68,8 +68,7 @@ def predicted(row: dict, cal: dict, one_core_per_rank: bool = False) -> pm.Predi
     step = pm.StepSpec(spec.layers, spec.hidden, spec.seq, spec.vocab, spec.batch, nd, spec.mp, spec.stage,
                        spec.checkpoints, 4, {k: v for k, v in moved.items() if v}, calls,
                        pm.optimizer_elements(int(row["local_params"]), spec.stage, nd))
-    cluster = calibrate.cpu_cluster(cal, int(row["world_size"]))
-    return pm.predict(step, replace(cluster, compute_share=1.0) if one_core_per_rank else cluster)
+    return pm.predict(step, calibrate.cpu_cluster(cal, int(row["world_size"]), alone=one_core_per_rank))
 
 
 def validation(cal: dict, out: str, quick: bool) -> pd.DataFrame:
@@ -87,8 +86,7 @@ def validation(cal: dict, out: str, quick: bool) -> pd.DataFrame:
             model = p.seconds if phase == "total" else phases[phase]
             rows.append({"world": world, "stage": spec.stage, "mp": spec.mp, "checkpoints": spec.checkpoints,
                          "batch": spec.batch, "phase": phase, "measured_s": measured, "predicted_s": model,
-                         "ratio": model / measured, "spread": float(row["spread"]),
-                         "compute_share": calibrate.cpu_cluster(cal, world).compute_share})
+                         "ratio": model / measured, "spread": float(row["spread"])})
     return pd.DataFrame(rows)
 
 
@@ -117,8 +115,7 @@ def superlinear(cal: dict, out: str, quick: bool) -> tuple[pd.DataFrame, dict]:
                          "step_phase_s": float(row["step_s"]),
                          "fixed_s": model.terms["optimizer"] + model.terms["dp_step"] + model.terms["dp_backward"],
                          "predicted_step_s": model.seconds,
-                         "predicted_samples_per_s_one_core_per_rank": b * nd / one_core.seconds,
-                         "compute_share": calibrate.cpu_cluster(cal, nd).compute_share})
+                         "predicted_samples_per_s_one_core_per_rank": b * nd / one_core.seconds})
     frame = pd.DataFrame(rows)
     grown = frame[frame.case == "batch that fits"].set_index("nd")
     one = grown.loc[1, "samples_per_s"]
@@ -129,10 +126,10 @@ def superlinear(cal: dict, out: str, quick: bool) -> tuple[pd.DataFrame, dict]:
 
 
 def calibration_frames(cal: dict) -> tuple[pd.DataFrame, pd.DataFrame]:
-    rates = [{"threads": t, "tokens": tok, "hidden": h} | {f"{name}_gflops": points[(tok, h)] / 1e9
-                                                           for name, points in by_name.items()}
-             | {"step_melem_per_s": cal["adamw"][t] / 1e6}
-             for t, by_name in cal["rates"].items() for tok, h in by_name["block_forward"]]
+    rates = [{"world": w, "tokens": tok, "hidden": h} | {f"{name}_gflops": points[(tok, h)] / 1e9
+                                                         for name, points in by_name.items()}
+             | {"step_melem_per_s": cal["adamw"][w] / 1e6}
+             for w, by_name in cal["rates"].items() for tok, h in by_name["block_forward"]]
     links = pd.DataFrame(cal["link_rows"])
     links["fitted_s"] = [pm.collective_seconds(r.kind, r.moved, 4, r.world, cal["links"][(r.world, r.kind)])
                          for r in links.itertuples()]
@@ -145,7 +142,7 @@ def run(out, quick: bool = False) -> dict:
     """Calibrate, validate, measure superlinear scaling; write the CSVs; return the frames."""
     out.mkdir(parents=True, exist_ok=True)
     runs = str(out / "runs")
-    cal = calibrate.calibrate(VOCAB, quick)
+    cal = calibrate.calibrate(VOCAB, quick, worlds=(1, 2) if quick else (1, 2, 3, 4))
     rates, links = calibration_frames(cal)
     rates.to_csv(out / "calibration_rates.csv", index=False)
     links.to_csv(out / "calibration_links.csv", index=False)

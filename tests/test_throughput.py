@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
-
 import pytest
 
 from experiments import calibrate, paper_projection
@@ -172,16 +170,16 @@ def test_paper_runs_and_projection_shapes():
 
 
 def test_cpu_cluster_from_a_calibration():
-    rates = {name: {(128, 64): 1e9, (256, 64): 2e9} for name in
+    alone = {name: {(128, 64): 2e9, (256, 64): 4e9} for name in
              ("block_forward", "block_backward", "head_forward", "head_backward")}
-    cal = {"cores": 2, "rates": {1: rates}, "adamw": {1: 1e8},
+    shared = {name: {k: v / 2 for k, v in points.items()} for name, points in alone.items()}
+    cal = {"cores": 2, "rates": {1: alone, 4: shared}, "adamw": {1: 2e8, 4: 1e8},
            "links": {(4, "all_reduce"): pm.Link(1e9, 1e-4), (4, "all_gather"): pm.Link(2e9, 1e-4)}}
     cluster = calibrate.cpu_cluster(cal, 4)
-    assert cluster.compute_share == 0.5                      # four one-thread ranks on two cores
     assert cluster.link(4, 4, "all_gather").bandwidth == 2e9 and cluster.link(4, 4, "reduce_scatter").bandwidth == 1e9
     spec = pm.StepSpec(1, 64, 128, 256, 1, 4, 1, 2, "none", 4, {"all_gather": 1e6}, {"all_gather": 2}, 1e6)
-    p = pm.predict(spec, cluster)
-    assert p.terms["optimizer"] == pytest.approx(1e-2)
-    assert p.terms["dp_step"] == pytest.approx(0.75 * 4e6 / 2e9 + 2 * 3 * 1e-4)
-    assert p.terms["forward"] == pytest.approx(pm.training_flops(1, 64, 128, 256, 1)["forward"] / 0.5e9)
-    assert replace(cluster, compute_share=1.0).rates is cluster.rates
+    p, p_alone = pm.predict(spec, cluster), pm.predict(spec, calibrate.cpu_cluster(cal, 4, alone=True))
+    assert p.terms["optimizer"] == pytest.approx(1e-2) and p_alone.terms["optimizer"] == pytest.approx(5e-3)
+    assert p.terms["dp_step"] == pytest.approx(0.75 * 4e6 / 2e9 + 2 * 3 * 1e-4) == p_alone.terms["dp_step"]
+    assert p.terms["forward"] == pytest.approx(pm.training_flops(1, 64, 128, 256, 1)["forward"] / 1e9)
+    assert p_alone.terms["forward"] == pytest.approx(p.terms["forward"] / 2)

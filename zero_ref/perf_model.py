@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 CHECKPOINT_MODES = ("none", "plain", "pa", "pa_cpu")
 
@@ -119,8 +119,7 @@ class Cluster:
     elements per second of the optimizer step (norm, AdamW, clearing gradients); ``ranks_per_node``; ``intra``: the
     link inside a node; ``node_bandwidth`` / ``node_latency``: a node's network (bytes/s each
     direction, all its NICs) and hop latency; ``host``: the device-host link (Pa+cpu);
-    ``dp_overlap``: the share of the data-parallel collectives hidden behind compute;
-    ``compute_share``: the share of its cores each rank gets (CPU ranks sharing cores: < 1)."""
+    ``dp_overlap``: the share of the data-parallel collectives hidden behind compute."""
 
     name: str
     rates: dict
@@ -131,7 +130,6 @@ class Cluster:
     node_latency: float
     host: Link
     dp_overlap: float = 0.0
-    compute_share: float = 1.0
     intra_by_kind: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict, compare=False)
 
@@ -144,10 +142,6 @@ class Cluster:
             return self.intra_by_kind.get(kind, self.intra)
         concurrent = max(1, self.ranks_per_node // max(1, members_per_node))
         return Link(min(self.intra.bandwidth, self.node_bandwidth / concurrent), self.node_latency)
-
-    def with_ranks_sharing_cores(self, ranks: int, cores: int, threads_per_rank: int = 1) -> "Cluster":
-        """The same machine when ``ranks`` processes of ``threads_per_rank`` threads share ``cores``."""
-        return replace(self, compute_share=min(1.0, cores / (ranks * threads_per_rank)))
 
 
 # ------------------------------------------------------------------------------------- one step
@@ -207,8 +201,7 @@ def predict(spec: StepSpec, cluster: Cluster) -> Prediction:
     """The step time of one rank of ``spec`` on ``cluster``, term by term (see the module docstring)."""
     f = spec.flops()
     nm, tokens = spec.nm, spec.batch * spec.seq
-    share = cluster.compute_share
-    rate = {name: r(tokens, spec.hidden / nm) * share for name, r in cluster.rates.items()}
+    rate = {name: r(tokens, spec.hidden / nm) for name, r in cluster.rates.items()}
     terms = {"forward": f["forward"] / nm / rate["block_forward"],
              "backward": f["backward"] / nm / rate["block_backward"] + f["recompute"] / nm / rate["block_forward"],
              "head_forward": f["head"] / 3 / nm / rate["head_forward"],
