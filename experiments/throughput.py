@@ -14,8 +14,9 @@ starts each step):
 
 * phases by the host clock (CUDA synchronised at each boundary): forward, backward (with the
   gradient reductions it waits for), step (AdamW and the regather);
-* from ``torch.profiler`` over ``--profile-steps`` more steps, the host's waits on collectives
-  inside each phase (the engine labels them, see engine.py): reduction wait, gather wait;
+* from ``torch.profiler`` over ``--profile-steps`` more steps (the engine labels its phases, see
+  engine.py): forward, backward, optimizer (AdamW) and regather time, and the host's waits on
+  collectives inside each phase: reduction wait, gather wait (``profiled_phases``);
 * samples/s and TFLOPS per rank, FLOPs by ``zero_ref.perf_model.training_flops``: Megatron's
   count, **with checkpoint recomputation counted** when blocks are checkpointed;
 * peak memory: CUDA's ``max_memory_allocated``; on the CPU the peak of every allocation since the
@@ -150,23 +151,28 @@ def _tokens(spec: RunSpec, step: int, dp_rank: int, device: torch.device) -> tor
     return torch.randint(0, spec.vocab, (spec.batch, spec.seq), generator=generator).to(device)
 
 
-def _phase_waits(profiler, steps: int) -> dict[str, float]:
-    """Seconds per step the host waited on collectives, by phase and kind, from the engine's labels:
-    each "zero_ref.wait <kind>" event is placed in the phase ("zero_ref.forward", ".backward",
-    ".optimizer", ".after_update") whose interval holds its start (autograd may run hooks on
-    another thread, so nesting is read from times, not from parents)."""
+def profiled_phases(profiler, steps: int) -> dict[str, float]:
+    """Seconds per step by the engine's labels (engine.py): ``profiled_<phase>_s`` for "forward",
+    "backward", "optimizer" (AdamW) and "after_update" (stages 1-2's regather), and
+    ``wait_<phase>_<kind>`` for the host's waits on collectives, each "zero_ref.wait <kind>" event
+    placed in the phase whose interval holds its start ("step" outside them: the step's statistics;
+    autograd may run hooks on another thread, so nesting is read from times, not from parents).
+    The reduction wait is ``wait_backward_reduce_scatter`` (or ``_all_reduce``), the gather waits
+    ``wait_*_all_gather``."""
     events = [e for e in profiler.events() if e.name.startswith("zero_ref.")]
     phases = [(e.name.split(".", 1)[1], e.time_range.start, e.time_range.end)
               for e in events if not e.name.startswith("zero_ref.wait")]
-    waits: dict[str, float] = {}
+    out: dict[str, float] = {}
+    for name, start, end in phases:
+        out[f"profiled_{name}_s"] = out.get(f"profiled_{name}_s", 0.0) + (end - start) / 1e6 / steps
     for e in events:
         if not e.name.startswith("zero_ref.wait"):
             continue
         kind = e.name.split()[1]
         where = next((name for name, start, end in phases if start <= e.time_range.start <= end), "step")
         key = f"wait_{where}_{kind}"
-        waits[key] = waits.get(key, 0.0) + e.time_range.elapsed_us() / 1e6 / steps
-    return waits
+        out[key] = out.get(key, 0.0) + e.time_range.elapsed_us() / 1e6 / steps
+    return out
 
 
 def _warm_step(engine, spec: RunSpec, step: int, dp_rank: int, device: torch.device) -> None:
@@ -227,7 +233,7 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(spec.profile_steps):
                 step()
-        waits = _phase_waits(prof, spec.profile_steps)
+        waits = profiled_phases(prof, spec.profile_steps)
     with CountCollectives() as below:
         step()
     if device.type == "cuda":

@@ -102,6 +102,8 @@ def test_a_timed_run_reports_phases_rates_memory_and_traffic(runs):
     assert row["ledger_all_gather"] == row["moved_all_gather"] == 2 * row["ledger_reduce_scatter"]
     assert row["ledger_reduce_scatter"] >= row["local_params"]
     assert any(k.startswith("wait_") for k in row)                   # the profiler saw the engine's waits
+    assert 0 < row["profiled_optimizer_s"] < row["profiled_forward_s"] + row["profiled_backward_s"]
+    assert row["wait_backward_reduce_scatter"] <= row["profiled_backward_s"]
     # the CPU's peak is the engine's allocation trace of the same step on meta tensors (within a few %:
     # a fake group's collectives complete at once, so stage 3's gathered buffers live a little longer)
     assert row["peak_gb"] * 1e9 == pytest.approx(tp.step_peak_bytes(spec, 2, 3), rel=0.05)
