@@ -43,6 +43,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
+from experiments import markdown
 from experiments.fragmentation_trace import TraceCase, measure
 from experiments.max_model_size import (
     FAMILY,
@@ -214,11 +215,8 @@ def plot(out: Path, tables: dict[str, pd.DataFrame]) -> None:
 
 
 def _markdown(frame: pd.DataFrame) -> str:
-    """A frame as a markdown table, without extra dependencies."""
-    cell = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
-    rows = ["| " + " | ".join(map(str, frame.columns)) + " |", "|" + "---|" * len(frame.columns)]
-    rows += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
-    return "\n".join(rows)
+    """A frame as a markdown table, floats to three significant digits."""
+    return markdown.table(frame, lambda v: f"{v:.3g}" if isinstance(v, float) else str(v))
 
 
 def _findings(s: pd.DataFrame) -> list[str]:

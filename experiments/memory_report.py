@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from experiments import markdown
 from experiments import max_model_size as mms
 from experiments import memory_real_runs as real
 from experiments.paper_values import NO_MP_B, TABLE1_GB, TRILLION_AT_1024_GB
@@ -98,12 +99,8 @@ def _fmt(x, digits=2) -> str:
 
 
 def _markdown(frame: pd.DataFrame, digits: int = 1) -> str:
-    """A pandas frame as a markdown table (index first), without extra dependencies."""
-    header = [frame.index.name or "", *map(str, frame.columns)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for index, row in frame.iterrows():
-        lines.append("| " + " | ".join([str(index), *(_fmt(v, digits) for v in row)]) + " |")
-    return "\n".join(lines)
+    """A pandas frame as a markdown table (index first)."""
+    return markdown.table(frame, lambda v: _fmt(v, digits), index=True)
 
 
 def write_report(out: Path, table1: pd.DataFrame, fig1: pd.DataFrame, bench: dict, t2: pd.DataFrame,

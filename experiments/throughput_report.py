@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from experiments import paper_projection, throughput_study  # noqa: E402
+from experiments import markdown, paper_projection, throughput_study  # noqa: E402
 from experiments.provenance import ROOT, provenance  # noqa: E402
 from zero_ref import memory_model as mm  # noqa: E402
 from zero_ref import perf_model as pm  # noqa: E402
@@ -112,11 +112,9 @@ def plot_our_scale(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame) -> No
 
 
 def _table(frame: pd.DataFrame, columns: list[str], digits: int = 2) -> list[str]:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in frame[columns].itertuples(index=False):
-        cells = [f"{v:.{digits}f}" if isinstance(v, float) else str(v) for v in row]
-        lines.append("| " + " | ".join(c.replace("nan", "") for c in cells) + " |")
-    return lines
+    """The lines of a markdown table of ``columns``, floats to ``digits`` places, NaN left blank."""
+    cell = lambda v: (f"{v:.{digits}f}" if isinstance(v, float) else str(v)).replace("nan", "")  # noqa: E731
+    return markdown.table(frame[columns], cell).splitlines()
 
 
 def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: pd.DataFrame, fig3: pd.DataFrame,
