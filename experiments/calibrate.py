@@ -37,47 +37,33 @@ GRID_HIDDEN = (128, 256, 384)
 LINK_SIZES = (2**14, 2**16, 2**18, 2**20, 2**22)
 
 
-def _median_seconds(fn, reps: int = 5, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def compute_rates(threads: int, vocab: int, seq: int = SEQ, tokens=GRID_TOKENS, hiddens=GRID_HIDDEN,
-                  reps: int = 5, sync=lambda: None) -> dict[str, dict]:
-    """FLOP/s of a block's and of the head's forward and backward at each (tokens, hidden), with
-    ``threads`` threads (fp32): {"block_forward": {(tokens, hidden): FLOP/s}, ...}. ``sync()`` runs
-    before each measurement (a barrier, when several ranks measure at once)."""
+def compute_rates(vocab: int, seq: int = SEQ, tokens=GRID_TOKENS, hiddens=GRID_HIDDEN, reps: int = 5,
+                  sync=lambda: None) -> dict[str, dict]:
+    """FLOP/s of a block's and of the head's forward and backward at each (tokens, hidden), fp32,
+    at this process's thread count: {"block_forward": {(tokens, hidden): FLOP/s}, ...}. ``sync()``
+    runs before each measurement (a barrier, when several ranks measure at once)."""
+    from experiments.bench_kernels import median_seconds
     from zero_ref.models import ParallelGPTBlock
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    cpu = torch.device("cpu")
     rates = {name: {} for name in ("block_forward", "block_backward", "head_forward", "head_backward")}
-    try:
-        for hidden in hiddens:
-            block = ParallelGPTBlock(hidden, hidden // 64, None, iter(range(10)))
-            embedding = torch.randn(vocab, hidden, requires_grad=True)
-            for t in tokens:
-                x = torch.randn(t // seq, seq, hidden, requires_grad=True)
-                labels = torch.randint(0, vocab, (t // seq, seq))
-                parts = {"block": lambda: block(x).sum(),
-                         "head": lambda: F.cross_entropy(F.linear(x, embedding).flatten(0, 1), labels.flatten())}
-                flops = pm.training_flops(1, hidden, seq, vocab, t // seq, recompute=False)
-                forward_flops = {"block": flops["forward"], "head": flops["head"] / 3}
-                for part, run in parts.items():
-                    sync()
-                    forward = _median_seconds(run, reps)
-                    sync()
-                    both = _median_seconds(lambda: run().backward(), reps)
-                    rates[f"{part}_forward"][(t, hidden)] = forward_flops[part] / forward
-                    rates[f"{part}_backward"][(t, hidden)] = 2 * forward_flops[part] / max(both - forward, 1e-9)
-    finally:
-        torch.set_num_threads(before)
+    for hidden in hiddens:
+        block = ParallelGPTBlock(hidden, hidden // 64, None, iter(range(10)))
+        embedding = torch.randn(vocab, hidden, requires_grad=True)
+        for t in tokens:
+            x = torch.randn(t // seq, seq, hidden, requires_grad=True)
+            labels = torch.randint(0, vocab, (t // seq, seq))
+            parts = {"block": lambda: block(x).sum(),
+                     "head": lambda: F.cross_entropy(F.linear(x, embedding).flatten(0, 1), labels.flatten())}
+            flops = pm.training_flops(1, hidden, seq, vocab, t // seq, recompute=False)
+            forward_flops = {"block": flops["forward"], "head": flops["head"] / 3}
+            for part, run in parts.items():
+                sync()
+                forward = median_seconds(run, cpu, reps, warmup=1)
+                sync()
+                both = median_seconds(lambda: run().backward(), cpu, reps, warmup=1)
+                rates[f"{part}_forward"][(t, hidden)] = forward_flops[part] / forward
+                rates[f"{part}_backward"][(t, hidden)] = 2 * forward_flops[part] / max(both - forward, 1e-9)
     return rates
 
 
@@ -107,7 +93,7 @@ def _rates_at_world(rank: int, world: int, vocab: int, reps: int) -> tuple[dict,
     before each measurement), so the rates include what ranks sharing this machine cost each other."""
     torch.set_num_threads(1)
     alone = [dist.new_group([r]) for r in range(world)]       # every rank calls new_group for every group
-    rates = compute_rates(1, vocab, reps=reps, sync=dist.barrier)
+    rates = compute_rates(vocab, reps=reps, sync=dist.barrier)
     return rates, step_rate(alone[rank], sync=dist.barrier)
 
 

@@ -17,6 +17,8 @@ retries, smaller buckets), so points the paper ran at the edge of memory are ove
 
 from __future__ import annotations
 
+import functools
+
 import pandas as pd
 
 from experiments.max_model_size import Assumptions, Case, per_gpu_bytes
@@ -45,11 +47,18 @@ def system_of(run: dict) -> tuple[int, str]:
     return 0, "plain"
 
 
+@functools.cache
+def _dp_traffic(layers: int, hidden: int, heads: int, stage: int, nd: int, nm: int) -> tuple[dict, dict]:
+    """perf_model.dp_traffic, once per configuration: it does not depend on the batch, and Fig 8's
+    C3-C5 and Fig 3's fixed-batch runs share theirs with other runs."""
+    return pm.dp_traffic(layers, hidden, heads, stage, nd, nm=nm)
+
+
 def predict_run(run: dict, cluster: pm.Cluster = pm.V100_DGX2, batch: int | None = None) -> pm.Prediction:
     """The model's step of one paper run (optionally at another batch per GPU)."""
     stage, checkpoints = system_of(run)
     shape = ModelShape(run["layers"], run["hidden"], run["heads"])
-    moved, calls = pm.dp_traffic(run["layers"], run["hidden"], run["heads"], stage, run["dp"], nm=run["mp"])
+    moved, calls = _dp_traffic(run["layers"], run["hidden"], run["heads"], stage, run["dp"], run["mp"])
     spec = pm.StepSpec(shape.layers, shape.hidden, shape.seq, shape.vocab, batch or run["batch_per_gpu"], run["dp"],
                        run["mp"], stage, checkpoints, 2, moved, calls,
                        pm.optimizer_elements(shape.params_per_mp_rank(run["mp"]), stage, run["dp"]))

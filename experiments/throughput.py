@@ -28,8 +28,9 @@ starts each step):
 ``--max-batch-budget-gb X`` first searches the largest batch per rank whose steps fit X GB on
 this rank (the engine's own allocation trace of those steps on meta tensors, ``step_peak_bytes``),
 then times that batch; on CUDA the run is held to X GB (``set_per_process_memory_fraction``), so a
-search that undercounts fails loudly (out of memory) instead of timing a run that does not fit. ``--dry-run`` checks the arguments and prints the plan without starting
-anything (the SLURM scripts' test uses it). Rank 0 appends one row to ``--out``/throughput.csv
+search that undercounts fails loudly (out of memory) instead of timing a run that does not fit.
+``--dry-run`` checks the arguments and prints the plan without starting anything (the SLURM
+scripts' test uses it). Rank 0 appends one row to ``--out``/throughput.csv
 and writes the per-step times beside it.
 """
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import itertools
 import json
 import os
 import statistics
@@ -175,14 +177,8 @@ def profiled_phases(profiler, steps: int) -> dict[str, float]:
     return out
 
 
-def _warm_step(engine, spec: RunSpec, step: int, dp_rank: int, device: torch.device) -> None:
-    engine.backward(engine(_tokens(spec, step, dp_rank, device)))
-    engine.step()
-
-
 def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict:
     """Build, warm up, time, profile and measure one configuration on this rank (every rank)."""
-    from torch.nn import functional as F  # noqa: F401  (the model computes its own loss)
     from zero_ref.alloc_trace import record_allocations
     from zero_ref.collective_count import CountCollectives
 
@@ -199,26 +195,27 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict:
     with recording as trace:
         mesh, engine, local_params = build_engine(spec, device)
         dp_rank = mesh.get_local_rank("dp")
-        counter = iter(range(10**9))
+        counter = itertools.count()
+
+        def step(timed: list | None = None) -> None:
+            tokens = _tokens(spec, next(counter), dp_rank, device)
+            marks = [time.perf_counter()]
+            loss = engine(tokens)
+            _sync(device)
+            marks.append(time.perf_counter())
+            engine.backward(loss)
+            _sync(device)
+            marks.append(time.perf_counter())
+            engine.step()
+            _sync(device)
+            marks.append(time.perf_counter())
+            if timed is not None:
+                timed.append([b - a for a, b in zip(marks, marks[1:])])
+
         for i in range(max(spec.warmup, 1 if trace is not None else 0)):
             if trace is not None:
                 trace.mark(f"step {i}")
-            _warm_step(engine, spec, next(counter), dp_rank, device)
-
-    def step(timed: list | None = None) -> None:
-        tokens = _tokens(spec, next(counter), dp_rank, device)
-        marks = [time.perf_counter()]
-        loss = engine(tokens)
-        _sync(device)
-        marks.append(time.perf_counter())
-        engine.backward(loss)
-        _sync(device)
-        marks.append(time.perf_counter())
-        engine.step()
-        _sync(device)
-        marks.append(time.perf_counter())
-        if timed is not None:
-            timed.append([b - a for a, b in zip(marks, marks[1:])])
+            step()
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -226,14 +223,14 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict:
     for _ in range(spec.steps):
         dist.barrier()
         step(timed)
-    waits = {}
+    profiled = {}
     if spec.profile_steps:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(spec.profile_steps):
                 step()
-        waits = profiled_phases(prof, spec.profile_steps)
+        profiled = profiled_phases(prof, spec.profile_steps)
     with CountCollectives() as below:
         step()
     if device.type == "cuda":
@@ -249,8 +246,8 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict:
     # the slowest rank's time per step and phase
     times = torch.tensor(timed, dtype=torch.float64, device=device)     # NCCL reduces device tensors only
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return {"rank": rank, "times": times.tolist(), "local_params": local_params, "waits": waits, "peak_bytes": peak, "first_peak_bytes": first_peak,
-            "peak_how": peak_how,
+    return {"rank": rank, "times": times.tolist(), "local_params": local_params, "profiled": profiled,
+            "peak_bytes": peak, "first_peak_bytes": first_peak, "peak_how": peak_how,
             "ledger": {k: v for k, v in ledger.items() if v}, "below": dict(below.moved), "calls": dict(below.calls),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "threads": torch.get_num_threads()}
@@ -269,7 +266,7 @@ def summarize(spec: RunSpec, world_size: int, results: list[dict]) -> dict:
                           "spread": (max(per_step) - min(per_step)) / median}
     for i, phase in enumerate(PHASES):
         row[f"{phase}_s"] = statistics.median(t[i] for t in r0["times"])
-    row |= r0["waits"]
+    row |= r0["profiled"]
     row |= {"samples_per_s": spec.batch * nd / median, "tflops_per_rank": flops / median / 1e12,
             "flops_per_rank": flops, "flops_count": "Megatron, recomputation counted" if spec.checkpoints != "none"
             else "Megatron, no recomputation",

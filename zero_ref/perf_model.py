@@ -116,9 +116,10 @@ def collective_seconds(kind: str, moved: float, elem_bytes: float, ranks: int, l
 class Cluster:
     """What the model needs to know of a machine. ``rates``: FLOP/s of one rank (``Rate``) for
     "block_forward", "block_backward", "head_forward" and "head_backward"; ``adamw_rate``:
-    elements per second of the optimizer step (norm, AdamW, clearing gradients); ``ranks_per_node``; ``intra``: the
-    link inside a node; ``node_bandwidth`` / ``node_latency``: a node's network (bytes/s each
-    direction, all its NICs) and hop latency; ``host``: the device-host link (Pa+cpu);
+    elements per second of the optimizer step (norm, AdamW, clearing gradients);
+    ``ranks_per_node``; ``intra``: the link inside a node; ``node_bandwidth`` / ``node_latency``:
+    a node's network (bytes/s each direction, all its NICs) and hop latency; ``host``: the
+    device-host link (Pa+cpu);
     ``dp_overlap``: the share of the data-parallel collectives hidden behind compute."""
 
     name: str
@@ -279,27 +280,25 @@ def dp_traffic(layers: int, hidden: int, heads: int, stage: int, nd: int, *, nm:
     a group's padding, under Nd elements per group)."""
     from .at_scale import ModelShape
 
-    counts = [_one_step_counts(ModelShape(depth, hidden, heads, vocab, seq), stage, nd, nm, batch, bucket_numel)
-              for depth in (1, 2)]
-    moved, calls = {}, {}
-    for kind in set(counts[0][0]) | set(counts[1][0]):
-        per_layer = counts[1][0].get(kind, 0) - counts[0][0].get(kind, 0)
-        moved[kind] = counts[0][0].get(kind, 0) + (layers - 1) * per_layer
-        per_layer_calls = counts[1][1].get(kind, 0) - counts[0][1].get(kind, 0)
-        calls[kind] = counts[0][1].get(kind, 0) + (layers - 1) * per_layer_calls
-    return moved, calls
+    one, two = (_one_step_counts(ModelShape(depth, hidden, heads, vocab, seq), stage, nd, nm, batch, bucket_numel)
+                for depth in (1, 2))
+
+    def extrapolate(at_one: dict, at_two: dict) -> dict:
+        return {kind: at_one.get(kind, 0) + (layers - 1) * (at_two.get(kind, 0) - at_one.get(kind, 0))
+                for kind in set(at_one) | set(at_two)}
+
+    return extrapolate(one[0], two[0]), extrapolate(one[1], two[1])
 
 
 def _one_step_counts(shape, stage: int, nd: int, nm: int, batch: int, bucket_numel: int) -> tuple[dict, dict]:
     import torch
+    import torch.distributed as dist
+    from torch.nn import functional as F
 
     from .at_scale import fake_world
     from .collective_count import CountCollectives
     from .config import ZeroConfig
     from .engine import initialize
-
-    import torch.distributed as dist
-    from torch.nn import functional as F
 
     with fake_world(nd * nm):
         dp_group = dist.new_group(list(range(0, nd * nm, nm)))
@@ -307,7 +306,7 @@ def _one_step_counts(shape, stage: int, nd: int, nm: int, batch: int, bucket_num
         engine = initialize(model, ZeroConfig(stage=stage, dtype="fp16", kernels="torch", bucket_numel=bucket_numel),
                             dp_group)
         tokens = torch.zeros(batch, shape.seq, dtype=torch.long, device="meta")
-        for step in range(2):           # count the second: the first also agrees on the bucket order
+        for _ in range(2):              # count the second: the first also agrees on the bucket order
             with CountCollectives() as counter:
                 logits = engine(tokens)
                 engine.backward(F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()))
