@@ -94,6 +94,18 @@ def _throughput(out: Path, quick: bool, quiet: bool) -> dict:
     return run_study(out, quick, quiet)
 
 
+def _benchmarks(out: Path, quick: bool, quiet: bool) -> dict:
+    from experiments.bench import run_study
+
+    return run_study(out, quick, quiet)
+
+
+def _scaling_curves(out: Path, quick: bool, quiet: bool) -> dict:
+    from experiments.scaling_curves import NDS, run
+
+    return run(out, None, quiet, nds=(1, 2, 4, 64, 1024) if quick else NDS)
+
+
 STUDIES = {
     "memory": ("Memory and model size: Table 1, Figure 1, Table 2, Sec 10.4 (Fig 4's sizes)", _memory),
     "zero_r": ("ZeRO-R: partitioned activation checkpoints (Pa, Pa+cpu), Sec 6.1 and Sec 8", _zero_r),
@@ -103,9 +115,13 @@ STUDIES = {
     "bench_step": ("Step time of every stage against DDP (project targets; the paper's 2Ψ/3Ψ volumes are in "
                    "comm_stats)", _step_time),
     "kernels": ("Fused optimizer-step kernels (Triton rows need CUDA)", _kernels),
+    "benchmarks": ("The scaling regression suite: every stage against DDP at Nd 1, 2, 4 for three GPT-2 sizes, "
+                   "gated against the committed baseline", _benchmarks),
+    "scaling_curves": ("Scaling curves: bytes and elements per rank against Nd (1-1024) and Ψ beside the paper's "
+                       "formulas, step time against Nd", _scaling_curves),
 }
 """study folder -> (what it reproduces, its runner)."""
-FULL_ONLY = {"bench_step", "kernels", "throughput"}
+FULL_ONLY = {"bench_step", "kernels", "throughput", "benchmarks"}
 """Benchmarks that take minutes: skipped by --quick."""
 
 

@@ -1,0 +1,76 @@
+"""The scaling regression suite (benchmarks/, experiments/bench_scaling.py): it runs, it matches the
+committed baseline's exact quantities, and its gate fails an engine that was deliberately slowed."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from experiments.bench_scaling import BenchRank, BenchSpec, gate, measure, median_ci
+from zero_ref.launch import RankPool
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class SlowBenchRank(BenchRank):
+    """A BenchRank whose zero_ref steps take `slowdown_s` longer: the injected regression."""
+
+    slowdown_s = 0.0
+
+    def slow_down(self, seconds: float) -> None:
+        self.slowdown_s = seconds
+
+    def _train_step(self, name):
+        if name != "ddp":
+            time.sleep(self.slowdown_s)
+        return super()._train_step(name)
+
+
+def test_median_interval_is_distribution_free():
+    assert median_ci([3.0, 1.0, 2.0]) == (1.0, 3.0)                  # below 6 values: min and max
+    values = [float(v) for v in range(12)]
+    assert median_ci(values) == (2.0, 9.0)                            # n = 12: the 3rd from each end
+    with pytest.raises(ValueError):
+        median_ci([])
+
+
+def test_the_gate_fails_a_slowed_engine_and_any_change_of_bytes_or_elements():
+    spec = BenchSpec(model="S", stages=(2,))
+    with RankPool(1, SlowBenchRank, spec) as pool:
+        before = measure(pool, spec, 2, rounds=5, warmup=1)
+        pool.call("slow_down", 3 * before["ddp_step_s"]["median"])
+        after = measure(pool, spec, 2, rounds=5, warmup=0)
+    assert gate(before, before) == []
+    failures = gate(before, after)
+    assert len(failures) == 1 and failures[0].startswith("step time regressed"), failures
+    assert after["ratio_to_ddp"]["median"] > 2 * before["ratio_to_ddp"]["median"]
+    assert after["bytes_per_rank"] == before["bytes_per_rank"]             # the sleep moved nothing
+    grown = dict(after, bytes_per_rank=dict(after["bytes_per_rank"], grads=after["bytes_per_rank"]["grads"] + 4))
+    assert any("bytes per rank changed" in f for f in gate(before, grown))
+    other = dict(before, world_size=2)
+    assert gate(other, before)[0].startswith("not the same benchmark")
+
+
+def test_smoke_of_the_suite_passes_its_gate_against_the_committed_baseline(tmp_path):
+    """`pytest benchmarks/ --bench-smoke`: GPT-2 S at Nd 2, every stage, 3 rounds. Against the
+    committed baseline its bytes and elements must match exactly; time only within a doubled
+    threshold, since 3 rounds on a shared CI machine say little."""
+    out = tmp_path / "smoke.json"
+    done = subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "benchmarks"), "--benchmark-only",
+                           "--bench-smoke", "-q", "-p", "no:cacheprovider", "--gate-threshold=1.0",
+                           f"--benchmark-json={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    benchmarks = {b["name"]: b["extra_info"] for b in json.loads(out.read_text())["benchmarks"]}
+    assert sorted(benchmarks) == [f"test_step[S-nd2-stage{s}]" for s in range(4)]
+    for name, info in benchmarks.items():
+        assert info["gate"] == "checked", f"{name}: the committed baseline has no such benchmark"
+        psi = info["psi"]
+        assert info["formula_elements_over_psi"] == (3 if info["stage"] == 3 else 2)
+        # the paper's 2Ψ / 3Ψ plus padding (< Nd per flat group) and the step statistics (grad norm,
+        # non-finite flag, which parameters got gradients: a few scalars per parameter tensor)
+        assert 0 <= info["elements_total"] - info["formula_elements_over_psi"] * psi < 200, name
+        states = sum(info["bytes_per_rank"][k] for k in ("params", "grads", "optimizer_states"))
+        assert 0 <= states - info["formula_bytes_per_rank"]["total"] < 16 * 2 * 100, name
