@@ -430,8 +430,8 @@ def write_report(out: Path, at_scale: pd.DataFrame, real: pd.DataFrame | None, c
 # ------------------------------------------------------------------------------------------- run
 def run(out: Path, bench_json: Path | None = None, quiet: bool = False, *, models: tuple[str, ...] = tuple(MODELS),
         nds: tuple[int, ...] = NDS) -> dict:
-    """Measure the at-scale sweep (``models`` x stages 0-3 x ``nds``, plus every real run's own
-    case), read the benchmark JSON (``bench_json``; None: the newest under results/benchmarks),
+    """Measure the at-scale sweep (``models`` x stages 0-3 x ``nds``, plus the real runs' own cases
+    of those models), read the benchmark JSON (``bench_json``; None: the newest under results/benchmarks),
     write the CSVs, plots, meta.json and REPORT.md under ``out``; return headline and meta."""
     start = time.perf_counter()
     out = Path(out)
@@ -448,7 +448,7 @@ def run(out: Path, bench_json: Path | None = None, quiet: bool = False, *, model
         real.to_csv(out / "scaling_real.csv", index=False)
     cases = [(m, s, nd) for m in models for s in range(4) for nd in nds]
     if real is not None:
-        cases += list(zip(real.model, real.stage, real.world_size))
+        cases += [case for case in zip(real.model, real.stage, real.world_size) if case[0] in models]
     swept = time.perf_counter()
     at_scale = sweep(list(dict.fromkeys(cases)), quiet)
     swept = time.perf_counter() - swept
