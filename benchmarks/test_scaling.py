@@ -11,10 +11,11 @@ regressed beyond both runs' noise by more than ``--gate-threshold``, or when byt
 changed at all.
 """
 
-from experiments.bench_scaling import PairedRounds, gate, record
+from experiments.bench_scaling import FIRST_STEPS, PairedRounds, gate, record
 
 LOSS_TOLERANCE = 1e-5
-"""fp32: every stage must train exactly as DDP does (observed: identical losses)."""
+"""fp32: in its first FIRST_STEPS steps every stage must train as DDP does, to round-off
+(observed: identical, or 1 ulp at Nd = 4). Later steps are recorded, not checked (FIRST_STEPS says why)."""
 
 
 def test_step(benchmark, bench_pool, stage, rounds, baseline, request):
@@ -29,8 +30,9 @@ def test_step(benchmark, bench_pool, stage, rounds, baseline, request):
                            rounds=timed, warmup_rounds=warmup)
     info = record(pool, spec, stage, paired, warmup)
     benchmark.extra_info.update(info)
-    assert info["max_loss_diff_vs_ddp"] <= LOSS_TOLERANCE, (
-        f"stage {stage} trained differently from DDP: max |loss difference| {info['max_loss_diff_vs_ddp']:.3g}")
+    assert info["loss_diff_first_steps"] <= LOSS_TOLERANCE, (
+        f"stage {stage} trained differently from DDP: max |loss difference| over the first {FIRST_STEPS} steps "
+        f"{info['loss_diff_first_steps']:.3g}")
     reference = baseline.get(request.node.name)
     benchmark.extra_info["gate"] = "no baseline" if reference is None else "checked"
     if reference is not None:
