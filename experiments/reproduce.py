@@ -100,6 +100,12 @@ def _benchmarks(out: Path, quick: bool, quiet: bool) -> dict:
     return run_study(out, quick, quiet)
 
 
+def _peers(out: Path, quick: bool, quiet: bool) -> dict:
+    from experiments.peers import run_study
+
+    return run_study(out, quick, quiet)
+
+
 def _scaling_curves(out: Path, quick: bool, quiet: bool) -> dict:
     from experiments.scaling_curves import NDS, run
 
@@ -121,9 +127,11 @@ STUDIES = {
                    "gated against the committed baseline", _benchmarks),
     "scaling_curves": ("Scaling curves: bytes and elements per rank against Nd (1-1024) and Ψ beside the paper's "
                        "formulas, step time against Nd", _scaling_curves),
+    "peers": ("Peers side by side: DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed ZeRO 1-3 and zero-ref 0-3 on one "
+              "model, seed and data stream", _peers),
 }
 """study folder -> (what it reproduces, its runner)."""
-FULL_ONLY = {"bench_step", "kernels", "throughput", "benchmarks"}
+FULL_ONLY = {"bench_step", "kernels", "throughput", "benchmarks", "peers"}
 """Benchmarks that take minutes: skipped by --quick."""
 
 

@@ -1,0 +1,115 @@
+"""The peers study (experiments/peers.py) end to end on a tiny GPT-2 at world 2, and its pieces.
+
+One smoke run of the stage-3 contenders (most of its time is starting each contender's ranks):
+DDP, FSDP2 resharding after forward, zero-ref stage 3 and, when DeepSpeed is installed, its ZeRO-3
+releasing parameters after use. Every contender must train exactly as DDP does (fp32 losses equal), move the
+paper's elements per parameter, and the outputs must be written."""
+
+import importlib.util
+import json
+
+import pandas as pd
+import pytest
+
+from experiments import peers
+from experiments.peer_systems import CONTENDERS
+
+TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "512", "--seq", "32", "--batch", "4"]
+SMOKE = ["ddp", "fsdp2-reshard", "zero-ref-3", "deepspeed-3-release"]
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("peers")
+    rows = peers.main(["--world-size", "2", "--steps", "2", "--rounds", "2", "--contenders", *SMOKE,
+                       "--out", str(out), "--quiet", "--timeout", "240", *TINY])
+    return out, {r["contender"]: r for r in rows}
+
+
+@pytest.mark.timeout(600)
+def test_every_contender_trains_as_ddp_does_and_moves_the_papers_elements(smoke):
+    out, rows = smoke
+    assert set(rows) == set(SMOKE)
+    ran = [name for name in SMOKE if name != "deepspeed-3-release" or HAS_DEEPSPEED]
+    for name in ran:
+        row = rows[name]
+        assert row["status"] == "ok", (name, row["reason"])
+        # DDP runs beside each stage's contenders (stage 3 only here)
+        assert row["loss_steps"] == 4 and row["timed_steps"] == 2, name
+        assert row["max_loss_diff"] <= peers.LOSS_TOLERANCE, (name, row["max_loss_diff"])
+        assert row["final_loss"] == pytest.approx(rows["ddp"]["final_loss"], abs=peers.LOSS_TOLERANCE)
+        assert row["median_s"] > 0 and row["ratio_q1"] <= row["ratio_to_ddp"] <= row["ratio_q3"], name
+        assert row["other_collective_calls"] == 0, name
+    psi = rows["ddp"]["psi"]
+    assert psi == 134_912
+    # DDP all-reduces every gradient once: exactly 2Ψ; it holds parameters, gradients, its buckets
+    # (a second copy of the gradients) and Adam's two moments after backward: 20 B/Ψ (formula 16)
+    assert rows["ddp"]["elements_per_param"] == 2.0
+    assert rows["ddp"]["moved_all_reduce_per_param"] == 2.0
+    assert rows["ddp"]["live_B_per_param"] == pytest.approx(20.0, abs=0.05)
+    # zero-ref: the paper's 2Ψ / 3Ψ up to padding and the step's small statistics all-reduce
+    row = rows["zero-ref-3"]
+    assert 3.0 <= row["elements_per_param"] <= 3.0 + peers.COMM_TOLERANCE, row
+    assert row["moved_reduce_scatter_per_param"] == pytest.approx(1.0, abs=1e-3)
+    assert row["moved_all_gather_per_param"] == pytest.approx(2.0, abs=1e-3)
+    # FSDP2 resharding after forward gathers twice and reduce-scatters once: 3Ψ (up to padding);
+    # after backward it holds exactly the stage-3 formula: 16 B/Ψ / Nd
+    fsdp = rows["fsdp2-reshard"]
+    assert fsdp["elements_per_param"] == pytest.approx(3.0, abs=1e-3)
+    assert fsdp["live_B_per_param"] == pytest.approx(fsdp["formula_B_per_param"], abs=0.05)
+    assert fsdp["formula_B_per_param"] == 8.0
+    if HAS_DEEPSPEED:   # releasing after use, DeepSpeed gathers twice and reduce-scatters: >= 3Ψ
+        assert rows["deepspeed-3-release"]["elements_per_param"] >= 3.0
+    else:
+        assert rows["deepspeed-3-release"]["status"] == "skipped"
+        assert "deepspeed is not installed" in rows["deepspeed-3-release"]["reason"]
+
+
+def test_outputs_are_written(smoke):
+    out, rows = smoke
+    table = pd.read_csv(out / "peers.csv")
+    assert list(table.contender) == [n for n in CONTENDERS if n in SMOKE]
+    steps = pd.read_csv(out / "peers_steps.csv")
+    assert len(steps[steps.contender == "zero-ref-3"]) == 2
+    assert set(steps.contender) == {n for n, r in rows.items() if r["status"] == "ok"}
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["versions"]["torch"] and meta["git_revision"] and meta["ddp_losses_repeatable"] is True
+    assert {c["stage"] for c in meta["goal_check"]} == {3}
+    report = (out / "REPORT.md").read_text()
+    assert "## World size 2" in report and "## The goal" in report and "| zero-ref-3 | 3 |" in report
+    assert (out / "peers.png").stat().st_size > 10_000
+
+
+def test_goal_check_compares_zero_ref_with_the_best_peer_of_its_stage():
+    def row(name, stage, ratio, elements, live, library="torch"):
+        return {"world_size": 2, "contender": name, "stage": stage, "library": library, "status": "ok",
+                "ratio_to_ddp": ratio, "elements_per_param": elements, "formula_elements_per_param": 2.0,
+                "live_B_per_param": live, "formula_B_per_param": 10.0, "cb_allowance_B_per_param": 0.5,
+                "loss_equal": True}
+
+    rows = [row("ddp", 0, 1.0, 2.0, 20.0), row("deepspeed-2", 2, 1.3, 3.0, 12.2, "deepspeed"),
+            row("fsdp2-no-reshard", 2, 1.2, 2.0, 10.1), row("zero-ref-2", 2, 1.25, 2.0001, 10.4, "zero_ref")]
+    (check,) = peers.goal_check(rows)
+    assert check["best_peer"] == "fsdp2-no-reshard" and check["time_ok"] is False and not check["holds"]
+    assert check["peers_with_all_three"] == ["fsdp2-no-reshard"]
+    rows[-1]["ratio_to_ddp"] = 1.1
+    (check,) = peers.goal_check(rows)
+    assert check["time_ok"] and check["elements_exact"] and check["bytes_ok"] and check["holds"]
+    rows[-1]["live_B_per_param"] = 10.6           # above formula + allowance
+    assert not peers.goal_check(rows)[0]["holds"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--contenders", "ddp", "deepspeed-4"], "--contenders: invalid choice: 'deepspeed-4'"),
+    (["--warmup", "1"], "--warmup must be >= 2"),
+    (["--world-size", "3"], "--batch 16 must be divisible by every --world-size, not by 3"),
+    (["--steps", "2", "--rounds", "3"], "--rounds 3 must be <= --steps 2"),
+])
+def test_bad_input_names_the_flag_and_what_is_allowed(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        peers.main(argv)
+    error = capsys.readouterr().err
+    assert message in error
+    if "--contenders" in argv:
+        assert "zero-ref-3" in error and "fsdp2-reshard" in error   # the allowed names
