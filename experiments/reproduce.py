@@ -7,8 +7,8 @@ paper claim it checks: ``item``, ``paper`` (the paper's value), ``ours``, ``erro
 ``results/REPORT.md``: a single page, every paper table and figure with the paper's value, ours,
 and how ours was obtained. Later studies plug in by adding an entry to ``STUDIES``.
 
-    python -m experiments.reproduce            # the default: about 55 minutes on 2 CPU cores
-    python -m experiments.reproduce --quick    # about 4 minutes: fewer cases, traces and real runs, no benchmarks
+    python -m experiments.reproduce            # the default: about 100 minutes on 2 CPU cores
+    python -m experiments.reproduce --quick    # about 5 minutes: fewer cases, traces and real runs, no benchmarks, no peers
                                                # and no throughput study
     python -m experiments.reproduce --only throughput    # one study (about 12 minutes)
 """
@@ -170,7 +170,7 @@ def write_report(out: Path, sections: list[tuple[str, str, dict]], meta: dict) -
 def main(argv: list[str] | None = None) -> dict:
     """Run every study (``--quick``: the short version) and write ``--out``/REPORT.md."""
     parser = argparse.ArgumentParser(prog="zero-ref reproduce", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the short version (about 4 minutes on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="the short version (about 5 minutes on 2 cores)")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="results folder (default: results/)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--only", choices=sorted(STUDIES), nargs="+", help="run only these studies (the others keep their last headline rows in REPORT.md, marked as such)")
