@@ -67,6 +67,7 @@ sys.path.insert(0, ROOT)
 import zero_ref  # noqa: E402
 from zero_ref.launch import spawn  # noqa: E402
 from zero_ref.models import lm_loss, tiny_gpt2, token_batches  # noqa: E402
+from experiments.peer_systems import TorchSystem  # noqa: E402
 from experiments.provenance import git_revision, hardware  # noqa: E402
 
 GOALS = {0: 1.00, 1: 1.02, 2: 1.05, 3: 1.15}
@@ -75,7 +76,7 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 # --- the systems under test ---------------------------------------------------------------------
-class DDPSystem:
+class DDPSystem(TorchSystem):
     """DDP + torch.optim.AdamW(foreach=True): the baseline."""
 
     name, stage = "ddp", None
@@ -85,19 +86,9 @@ class DDPSystem:
 
         model = model.to(DTYPES[args.dtype])
         bucket_mb = args.bucket_numel * DTYPES[args.dtype].itemsize / 2**20
-        self.model = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr,
-                                           weight_decay=args.weight_decay, foreach=True)
-
-    def forward(self, tokens):
-        return self.model(tokens)
-
-    def backward(self, loss):
-        loss.backward()
-
-    def step(self):
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+        super().__init__(ddp, torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                                foreach=True))
 
 
 class ZeroSystem:
