@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import zero_ref
+from experiments.peer_systems import EngineSystem, TorchSystem
 from experiments.scaling_curves import MODELS
 from zero_ref import memory_model
 from zero_ref.collective_count import CountCollectives
@@ -75,12 +76,11 @@ class BenchRank:
         model = MODELS[spec.model]
         self.psi = sum(p.numel() for p in model.build(spec.seed).parameters())
         ddp = DistributedDataParallel(model.build(spec.seed), bucket_cap_mb=model.bucket_numel * 4 / 2**20)
-        self.ddp_optimizer = torch.optim.AdamW(ddp.parameters(), lr=spec.lr, weight_decay=spec.weight_decay,
-                                               foreach=True)
-        self.systems = {"ddp": ddp}
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, foreach=True)
+        self.systems = {"ddp": TorchSystem(ddp, optimizer)}
         for stage in spec.stages:       # the sweep's configuration, with the suite's optimizer settings
             config = replace(model.config(stage), lr=spec.lr, weight_decay=spec.weight_decay)
-            self.systems[f"zero-{stage}"] = zero_ref.initialize(model.build(spec.seed), config)
+            self.systems[f"zero-{stage}"] = EngineSystem(zero_ref.initialize(model.build(spec.seed), config))
         batches = token_batches(model.vocab, spec.batch_per_rank * world_size, model.seq, rank, world_size,
                                 seed=spec.seed + 1)
         self.data = [next(batches)[1] for _ in range(spec.data_steps)]
@@ -89,14 +89,9 @@ class BenchRank:
 
     def _train_step(self, name: str) -> torch.Tensor:
         system, tokens = self.systems[name], self.data[self.steps[name] % len(self.data)]
-        loss = lm_loss(system(tokens).logits, tokens)
-        if name == "ddp":
-            loss.backward()
-            self.ddp_optimizer.step()
-            self.ddp_optimizer.zero_grad(set_to_none=True)
-        else:
-            system.backward(loss)
-            system.step()
+        loss = lm_loss(system.forward(tokens).logits, tokens)
+        system.backward(loss)
+        system.step()
         self.steps[name] += 1
         return loss
 
@@ -115,13 +110,14 @@ class BenchRank:
         with CountCollectives() as counter:
             self.losses[name].append(self._train_step(name).item())
         if name == "ddp":
-            params = sum(p.numel() * p.element_size() for p in self.systems["ddp"].parameters())
-            moments = sum(t.numel() * t.element_size() for state in self.ddp_optimizer.state.values()
+            ddp = self.systems["ddp"]
+            params = sum(p.numel() * p.element_size() for p in ddp.module.parameters())
+            moments = sum(t.numel() * t.element_size() for state in ddp.optimizer.state.values()
                           for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
             memory = {"params": params, "grads": params, "optimizer_states": moments,
                       "total": 2 * params + moments}
         else:
-            memory = {k: v for k, v in self.systems[name].memory_report().items()
+            memory = {k: v for k, v in self.systems[name].engine.memory_report().items()
                       if k in ("params", "grads", "optimizer_states", "buffers", "comm_buffers", "total")}
         diffs = [abs(a - b) for a, b in zip(self.losses[name], self.losses["ddp"])]
         return {"bytes": memory, "elements": dict(counter.moved), "psi": self.psi,

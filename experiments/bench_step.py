@@ -67,7 +67,7 @@ sys.path.insert(0, ROOT)
 import zero_ref  # noqa: E402
 from zero_ref.launch import spawn  # noqa: E402
 from zero_ref.models import lm_loss, tiny_gpt2, token_batches  # noqa: E402
-from experiments.peer_systems import TorchSystem  # noqa: E402
+from experiments.peer_systems import EngineSystem, TorchSystem  # noqa: E402
 from experiments.provenance import git_revision, hardware  # noqa: E402
 
 GOALS = {0: 1.00, 1: 1.02, 2: 1.05, 3: 1.15}
@@ -91,7 +91,7 @@ class DDPSystem(TorchSystem):
                                                 foreach=True))
 
 
-class ZeroSystem:
+class ZeroSystem(EngineSystem):
     """zero_ref at one stage."""
 
     def __init__(self, args, model: torch.nn.Module, stage: int, reduce_dtype: str | None = None):
@@ -99,16 +99,7 @@ class ZeroSystem:
         config = zero_ref.ZeroConfig(stage=stage, dtype=args.dtype, lr=args.lr,
                                      weight_decay=args.weight_decay, kernels="torch",
                                      bucket_numel=args.bucket_numel, reduce_dtype=reduce_dtype)
-        self.engine = zero_ref.initialize(model, config)
-
-    def forward(self, tokens):
-        return self.engine(tokens)
-
-    def backward(self, loss):
-        self.engine.backward(loss)
-
-    def step(self):
-        self.engine.step()
+        super().__init__(zero_ref.initialize(model, config))
 
 
 def make_model(args) -> torch.nn.Module:
