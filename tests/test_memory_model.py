@@ -1,7 +1,7 @@
 """Checks of zero_ref.memory_model against every number the paper prints for it.
 
-The paper's tables live in ../shared/paper (beside the repository); tests that read them skip
-when that folder is absent. The rest carry their paper numbers inline.
+The paper's tables are read from experiments/paper_data/ (part of the repository, so nothing
+here skips on a fresh clone); the other tests carry their paper numbers inline.
 """
 
 from __future__ import annotations
@@ -17,14 +17,11 @@ from hypothesis import strategies as st
 from zero_ref import memory_model as mm
 from zero_ref.memory_model import GB, Stage
 
-PAPER = Path(__file__).resolve().parents[1].parent / "shared" / "paper"
+PAPER = Path(__file__).resolve().parents[1] / "experiments" / "paper_data"
 
 
 def paper_csv(name: str) -> list[dict]:
-    path = PAPER / name
-    if not path.is_file():
-        pytest.skip(f"paper data not found: {path} (the shared/paper folder beside the repo)")
-    with path.open(newline="") as f:
+    with (PAPER / name).open(newline="") as f:
         return list(csv.DictReader(f))
 
 

@@ -20,7 +20,7 @@ from experiments.memory_real_runs import RealRun, one_rank_of, predict
 from zero_ref import memory_model as mm
 from zero_ref.at_scale import ModelShape, exact_shape, measure_at_scale
 
-PAPER = Path(__file__).resolve().parents[1].parent / "shared" / "paper"
+PAPER = Path(__file__).resolve().parents[1] / "experiments" / "paper_data"
 
 
 @pytest.fixture(scope="module")
@@ -61,20 +61,67 @@ def test_engine_at_scale_small_case_with_padding():
     assert r.padding > 0 and r.within_padding and r.tracker_agrees
 
 
-@pytest.mark.skipif(not (PAPER / "table1_memory.csv").is_file(), reason="shared/paper not beside the repo")
-def test_paper_values_match_the_shared_paper_files():
-    with (PAPER / "table1_memory.csv").open() as f:
-        for row in csv.DictReader(f):
-            stage = mm.parse_stage(row["stage"])
-            assert pv.TABLE1_GB[(row["model"], int(row["nd_dp_degree"]))][stage - 1] == float(row["paper_value_gb"])
-    with (PAPER / "table2_max_model_size.csv").open() as f:
-        for row in csv.DictReader(f):
-            nm = int(row["mp_degree"])
-            assert pv.TABLE2_MEASURED_B[nm] == (float(row["measured_baseline_params_B"]),
-                                                float(row["measured_zero_dp_pos_params_B"]))
-            assert pv.TABLE2_THEORY_B[nm][:3] == (float(row["theoretical_baseline_params_B"]),
-                                                  float(row["theoretical_pos_params_B"]),
-                                                  float(row["theoretical_pos_g_params_B"]))
+def test_every_paper_row_has_a_source_and_every_file_is_described():
+    """Each CSV row in experiments/paper_data/ names where its numbers come from; the folder's
+    README names every file in it."""
+    readme = (PAPER / "README.md").read_text()
+    files = sorted(p.name for p in PAPER.iterdir() if p.suffix in (".csv", ".md") and p.name != "README.md")
+    assert len(files) >= 11 and "zero-paper-facts.md" in files
+    for name in files:
+        assert f"]({name})" in readme, f"{name} is not described in paper_data/README.md"
+        if not name.endswith(".csv"):
+            continue
+        with (PAPER / name).open(newline="") as f:
+            rows = list(csv.DictReader(f))
+        columns = ["source"] if "source" in rows[0] else ["tflops_source", "config_source"]
+        for i, row in enumerate(rows):
+            for column in columns:
+                assert row[column].strip(), f"{name} row {i + 2}: no {column}"
+            read = [r for r in (row.get("source_of_tflops", ""), row[columns[0]]) if "figure" in r and "read" in r]
+            if read or "approx" in ",".join(row):   # a number read from a figure states its uncertainty
+                assert any("+-" in r or "±" in r or "uncertain" in r for r in read), f"{name} row {i + 2}"
+
+
+def test_paper_values_are_the_paper_data():
+    """paper_values reads the CSVs; spot checks against cells as printed in the paper."""
+    assert pv.TABLE1_GB[("7.5B", 64)] == (31.4, 16.6, 1.88) and pv.TABLE1_GB[("128B", 1024)] == (513, 257, 2)
+    assert len(pv.TABLE1_GB) == 18 and pv.TRILLION_AT_1024_GB == 15.6
+    assert pv.FIGURE1_GB == {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}
+    assert pv.TABLE2_MEASURED_B == {1: (1.3, 6.2), 2: (2.5, 12.5), 4: (5, 25), 8: (10, 50), 16: (20, 100)}
+    assert pv.TABLE2_THEORY_B[4] == (8, 30.4, 57.6, 500) and pv.NO_MP_B == {0: 1.4, 2: 13}
+    assert pv.FIG6_B == {"C1": 40, "C2": 60, "C3": 50, "C4": 140, "C5": 150}
+
+
+def test_runs_csv_agrees_with_the_appendix_and_the_figure_readings():
+    """runs.csv repeats the appendix configurations (model_configs.csv) and the figure readings
+    (fig2/3/4 CSVs) for the throughput studies: every repeated cell must be the same."""
+    runs = pd.read_csv(PAPER / "runs.csv", dtype=str, keep_default_na=False)
+    configs = pd.read_csv(PAPER / "model_configs.csv", dtype=str, keep_default_na=False)
+    same = {"label": "model_size_label", "system": "system", "gpus": "gpus", "mp": "mp_degree",
+            "dp": "dp_degree_derived", "layers": "layers", "hidden": "hidden", "heads": "attention_heads",
+            "batch_per_gpu": "batch_per_gpu", "total_batch": "total_batch", "zero_config": "zero_config"}
+    for figure in ("Fig 2", "Fig 3", "Fig 4", "Fig 8"):
+        ours = runs[runs.figure == figure][list(same)].reset_index(drop=True)
+        appendix = configs[configs.arxiv_v3_body_figure == figure][list(same.values())].reset_index(drop=True)
+        appendix.columns = list(same)
+        appendix["zero_config"] = appendix.zero_config.str.split(" ").str[0]   # "C1 (per text)" -> "C1"
+        assert ours.to_dict("records") == appendix.to_dict("records"), figure
+    readings = {}
+    for _, r in pd.read_csv(PAPER / "fig2_throughput.csv").iterrows():
+        b = f"{r.model_size_params_B:g}B"
+        readings[("Fig 2", b, "ZeRO", 0)] = r.zero100b_tflops_per_gpu_approx
+        readings[("Fig 2", b, "Baseline", 0)] = r.baseline_megatron_mp_tflops_per_gpu_approx
+    for i, r in pd.read_csv(PAPER / "fig3_superlinear_60B.csv").iterrows():
+        readings[("Fig 3", "60B", "ZeRO", i)] = r.per_gpu_tflops_approx
+    for _, r in pd.read_csv(PAPER / "fig4_no_mp_128gpus.csv").iterrows():
+        system = "Baseline" if r.system.startswith("Baseline") else "ZeRO"
+        readings[("Fig 4", f"{r.model_size_params_B:g}B", system, 0)] = r.tflops_per_gpu_approx
+    found = {}
+    for _, r in runs[runs.paper_tflops_per_gpu != ""].iterrows():
+        index = ["64", "128", "256", "400"].index(r.gpus) if r.figure == "Fig 3" else 0
+        found[(r.figure, r.label, r.system, index)] = float(r.paper_tflops_per_gpu)
+        assert "read from" in r.tflops_source and "0.5" in r.tflops_source
+    assert found == readings
 
 
 def test_real_run_prediction_terms():
