@@ -41,16 +41,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .manifest import (STATE_KINDS, CheckpointError, build_manifest, canonical_names, check_matches_model,
+from .manifest import (STATE_KINDS, CheckpointError, build_manifest, canonical_names, check_groups_match,
+                       check_matches_model, restore_groups, training_state,
                        persistent_buffers, piece_index, read_manifest, seal)
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "resolve", "read_manifest"]
 
 
 # --- saving --------------------------------------------------------------------------------------
-def save_checkpoint(engine, root: str | os.PathLike, keep: int = 2) -> Path:
+def save_checkpoint(engine, root: str | os.PathLike, keep: int = 2, lr_scheduler=None) -> Path:
     """Write this engine's state under `root` (collective: every rank calls it). Returns the new
-    checkpoint's folder. Older complete checkpoints beyond the newest `keep` are removed."""
+    checkpoint's folder. Older complete checkpoints beyond the newest `keep` are removed. The
+    parameter groups' hyper-parameters are saved, and `lr_scheduler`'s state when one is given."""
     if engine.micro_step:
         raise CheckpointError("save_checkpoint must be called between steps: backward has run since the last "
                               "engine.step() (call step() or zero_grad() first)")
@@ -59,6 +61,7 @@ def save_checkpoint(engine, root: str | os.PathLike, keep: int = 2) -> Path:
     tag = comm.all_gather_object(f"step{engine.global_step:08d}-{uuid.uuid4().hex[:8]}")[0]
     folder = root / tag
     names = canonical_names(engine.module)
+    state = training_state(engine, names, lr_scheduler)   # fails here, before anything is written
 
     tensors, pieces = {}, []
     if not (stage.replicated and comm.rank != 0):
@@ -90,7 +93,7 @@ def save_checkpoint(engine, root: str | os.PathLike, keep: int = 2) -> Path:
 
     def finish() -> None:
         if comm.rank == 0:
-            manifest = build_manifest(engine, names, files, order)
+            manifest = build_manifest(engine, names, files, order, state)
             _atomic_write(folder / "manifest.json", lambda tmp: tmp.write_text(json.dumps(seal(manifest), indent=1)))
             _atomic_write(root / "latest", lambda tmp: tmp.write_text(tag))
             _prune(root, keep, tag)
@@ -135,14 +138,15 @@ def _prune(root: Path, keep: int, newest: str) -> None:
 
 
 # --- loading -------------------------------------------------------------------------------------
-def load_checkpoint(engine, path: str | os.PathLike) -> None:
+def load_checkpoint(engine, path: str | os.PathLike, lr_scheduler=None) -> None:
     """Load a checkpoint (a root with `latest`, or one checkpoint folder) into this engine, at any
-    world size and stage (collective: every rank calls it). Nothing in any rank's engine changes
-    unless every rank has verified and read all it needs."""
+    world size and stage (collective: every rank calls it), with the parameter groups'
+    hyper-parameters and, when given, `lr_scheduler`'s state. Nothing in any rank's engine (or the
+    scheduler) changes unless every rank has verified and read all it needs."""
     comm = engine.comm
     failure, read = None, None
     try:
-        read, digests = _together(comm, lambda: _read(engine, path), f"loading checkpoint {path}",
+        read, digests = _together(comm, lambda: _read(engine, path, lr_scheduler), f"loading checkpoint {path}",
                                   summary=lambda r: r["digest"])
         if len(set(digests)) > 1:
             raise CheckpointError(f"ranks read different checkpoints at {path} (was `latest` replaced during the "
@@ -159,14 +163,16 @@ def load_checkpoint(engine, path: str | os.PathLike) -> None:
     if failure:
         raise CheckpointError(failure)
     _apply(engine, read)
+    restore_groups(read["manifest"], engine, lr_scheduler)
 
 
-def _read(engine, path) -> dict:
+def _read(engine, path, lr_scheduler=None) -> dict:
     """Phase 1, on this rank only: verify and read everything this rank needs into host memory."""
     folder = resolve(path)
     manifest = read_manifest(folder)
     names = canonical_names(engine.module)
     check_matches_model(manifest, engine, names)
+    check_groups_match(manifest, engine, names, lr_scheduler)
     comm, stage = engine.comm, engine.stage
     order = None
     if manifest["param_order"] is not None and stage.wants_order():

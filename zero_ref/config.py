@@ -32,7 +32,9 @@ class ZeroConfig:
         dtype: "fp32", "bf16" or "fp16": the dtype of parameters and gradients. The optimizer always
             keeps fp32 master weights and moments (K = 12 bytes per parameter, as in the paper).
         lr, betas, eps, weight_decay: AdamW hyper-parameters, with torch.optim.AdamW's semantics
-            (weight decay is decoupled and applied to every trainable parameter).
+            (weight decay is decoupled). They are the defaults of the parameter groups: a group
+            passed to `initialize(..., param_groups=...)` may set its own, and a torch lr_scheduler
+            on `engine.optimizer` changes them as training goes (param_groups.py).
         grad_clip: clip gradients to this global L2 norm (over all shards); None turns it off.
         grad_accum_steps: micro-batches per optimizer step. `engine.backward` divides the loss by it,
             so the update equals one on the concatenated batch.

@@ -56,6 +56,7 @@ from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_map
 
 from . import activations, checkpoint, materialize, tensor_parallel
+from .param_groups import ZeroOptimizer, agreement, agreement_stats, build_groups
 from .comm import Comm, CommLedger
 from .config import ZeroConfig
 from .precision import LossScaler
@@ -69,7 +70,7 @@ MEMORY_CATEGORIES = ("params", "grads", "optimizer_states", "buffers", "comm_buf
 
 
 def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.ProcessGroup | None = None,
-               mesh=None, *, init_fn=None, state_dict=None, device=None) -> "ZeroEngine":
+               mesh=None, *, init_fn=None, state_dict=None, device=None, param_groups=None) -> "ZeroEngine":
     """Take ownership of `model` and return the engine that trains it under `config`.
 
     The model is converted (parameters to `config.dtype`) and partitioned in place: its Parameter
@@ -87,6 +88,11 @@ def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.Process
     `state_dict` (any mapping of names to tensors), `init_fn(module)` or each module's
     `reset_parameters()`; at stage 3 each rank keeps only its shards, so the full model never
     exists on any rank (materialize.py).
+
+    `param_groups` takes torch's form, `[{"params": [...], "weight_decay": 0.0}, ...]`: every trainable
+    parameter in exactly one group, each group setting any of lr, betas, eps, weight_decay (the
+    config's values otherwise). `engine.optimizer` exposes them as a torch Optimizer, so torch's
+    lr_scheduler classes drive the learning rate (param_groups.py).
     """
     if not isinstance(config, ZeroConfig):
         raise TypeError(f"config must be a zero_ref.ZeroConfig, got {type(config).__name__}")
@@ -118,19 +124,21 @@ def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.Process
         raise ValueError("init_fn and state_dict are for models built on the meta device (sharded construction); "
                          "this model already has values (load a state dict into it before initialize, or use "
                          "engine.load_checkpoint)")
-    return ZeroEngine(model, config, process_group, mp_group, materializer)
+    return ZeroEngine(model, config, process_group, mp_group, materializer, param_groups)
 
 
 class ZeroEngine:
     """Trains one model with ZeRO stage `config.stage` over a data-parallel process group.
 
-    Attributes: `module` (the model), `config`, `global_step` (updates applied), `loss_scale`,
+    Attributes: `module` (the model), `config`, `optimizer` (the parameter groups as a torch
+    Optimizer, for lr schedulers: param_groups.py), `global_step` (updates applied), `loss_scale`,
     `skipped_steps` (non-finite gradients: fp16 overflows, or nonfinite="skip"). Usable as a
     context manager that `close()`s it.
     """
 
     def __init__(self, model: nn.Module, config: ZeroConfig, process_group: dist.ProcessGroup | None,
-                 mp_group: dist.ProcessGroup | None = None, materializer: materialize.Materializer | None = None):
+                 mp_group: dist.ProcessGroup | None = None, materializer: materialize.Materializer | None = None,
+                 param_groups=None):
         self.module = model
         self.config = config
         self.dtype = config.torch_dtype
@@ -147,6 +155,8 @@ class ZeroEngine:
         _check_same_model_everywhere(model, self.comm)
         trainable = [p for p in params if p.requires_grad]
         self.frozen = [p for p in params if not p.requires_grad]
+        defaults = {"lr": config.lr, "betas": config.betas, "eps": config.eps, "weight_decay": config.weight_decay}
+        groups = build_groups(param_groups, model, trainable, defaults)   # checked before anything changes
         sharded_construction = materializer is not None and config.stage == 3
         if materializer is not None:
             self._start_from_rank0_rng(device)
@@ -165,6 +175,7 @@ class ZeroEngine:
                     self.comm.broadcast(tensor.data, 0, in_step=False)
         if not sharded_construction:
             self.stage = _make_stage(model, trainable, config, self.comm)
+        self.optimizer = ZeroOptimizer(self, groups)
         self.scaler = LossScaler(enabled=self.dtype == torch.float16, scale=config.initial_loss_scale,
                                  growth_interval=config.loss_scale_growth_interval,
                                  min_scale=config.min_loss_scale)
@@ -239,18 +250,37 @@ class ZeroEngine:
         self._check_clean()
         if not self.at_boundary:
             return False
+        self.optimizer._opt_called = True   # what torch's lr_schedulers look for: "the optimizer stepped"
         stage, optimizer = self.stage, self.stage.optimizer
         grads = stage.grad_segments()
-        # [sum of squares, non-finite flag, one 0/1 per parameter: did it get a gradient?], summed
-        # over the ranks in one small all-reduce (gradients replicated on every rank, stage 0: only
-        # rank 0's statistics enter the sum), then read on the host: the step's one sync.
-        stats = torch.cat([optimizer.grad_stats(grads), stage.used_mask()])
+        try:
+            hyper, hyper_error = self.optimizer.hyperparameters(), None
+        except ValueError as err:   # raised below on every rank alike, after the statistics
+            hyper, hyper_error = None, err
+        # [sum of squares, non-finite flag, one 0/1 per parameter: did it get a gradient?, the
+        # hyper-parameters' agreement fingerprint], summed over the ranks in one small all-reduce
+        # (gradients replicated on every rank, stage 0: only rank 0's sum of squares and flag enter
+        # the sum), then read on the host: the step's one sync.
+        agree = torch.tensor(agreement_stats(hyper), dtype=torch.float32)
+        agree = agree.pin_memory().to(stage.device, non_blocking=True) if stage.device.type == "cuda" \
+            else agree.to(stage.device)
+        stats = torch.cat([optimizer.grad_stats(grads), stage.used_mask(), agree])
         if self.mp_comm is not None:
             stats[0] -= self._replicated_share(optimizer.grad_stats(self._replicated_pieces(grads))[0])
         self._sum_stats(stats)
         # meta tensors (the engine at scale, at_scale.py) have no values: step as if every gradient
         # were present and finite, so that the update makes its real allocations
-        sum_sq, nonfinite, *used = [0.0, 0.0] + [1.0] * (len(stats) - 2) if stats.is_meta else stats.tolist()
+        n_used = len(stats) - 2 - len(agree)
+        if stats.is_meta:
+            if hyper_error:
+                raise hyper_error
+            sum_sq, nonfinite, used = 0.0, 0.0, [1.0] * n_used
+        else:
+            sum_sq, nonfinite, *rest = stats.tolist()
+            used, summed_agree = rest[:n_used], rest[n_used:]
+            problem = agreement(summed_agree, self.comm.world_size)
+            if problem:
+                raise hyper_error or ValueError(problem)
         if nonfinite:
             return self._skip_step()
         if not math.isfinite(sum_sq):        # finite gradients whose squares overflow fp32
@@ -264,7 +294,8 @@ class ZeroEngine:
             norm = math.sqrt(sum_sq) / self.scaler.scale
             grad_scale *= min(1.0, self.config.grad_clip / (norm + 1e-6))
         with record_function("zero_ref.optimizer"):
-            optimizer.step(grads, grad_scale, [u > 0 for u in used], stage.segment_updated)
+            optimizer.step(grads, grad_scale, [u > 0 for u in used], self.optimizer.group_of, hyper,
+                           stage.segment_updated)
         with record_function("zero_ref.after_update"):
             stage.after_update()
         self._clear_step()
@@ -329,17 +360,19 @@ class ZeroEngine:
                                "longer train, save or report; build a new one with zero_ref.initialize")
 
     # --- checkpoints ---------------------------------------------------------------------------------
-    def save_checkpoint(self, path, keep: int = 2):
-        """Write a sharded checkpoint under the folder `path` (every rank calls it; see checkpoint.py).
-        Returns the new checkpoint's folder; `path/latest` names it once it is complete."""
+    def save_checkpoint(self, path, keep: int = 2, lr_scheduler=None):
+        """Write a sharded checkpoint under the folder `path` (every rank calls it; see checkpoint.py),
+        with the parameter groups' hyper-parameters and, if given, `lr_scheduler`'s state. Returns the
+        new checkpoint's folder; `path/latest` names it once it is complete."""
         self._check_open()
-        return checkpoint.save_checkpoint(self, self._mp_path(path), keep)
+        return checkpoint.save_checkpoint(self, self._mp_path(path), keep, lr_scheduler)
 
-    def load_checkpoint(self, path) -> None:
-        """Load a checkpoint written at any world size and stage (every rank calls it). Every rank
-        verifies what it reads, then all vote: a failure anywhere changes nothing anywhere."""
+    def load_checkpoint(self, path, lr_scheduler=None) -> None:
+        """Load a checkpoint written at any world size and stage (every rank calls it), and the state
+        of `lr_scheduler` if given. Every rank verifies what it reads, then all vote: a failure
+        anywhere changes nothing anywhere."""
         self._check_open()
-        checkpoint.load_checkpoint(self, self._mp_path(path))
+        checkpoint.load_checkpoint(self, self._mp_path(path), lr_scheduler)
 
     def _mp_path(self, path):
         """With model parallelism each MP rank's slice of the model is its own sharded checkpoint,

@@ -1,7 +1,9 @@
 """What a checkpoint says about itself (manifest.json), and the checks that it says it correctly.
 
 The manifest records the format, world size, stage and dtype, every trainable parameter (its
-name, aliases, shape), its AdamW step count, the bucket order stages 0-2 learned, the frozen
+name, aliases, shape), its AdamW step count, the parameter groups (names and hyper-parameters, as a
+learning-rate schedule left them) and, when given, the lr scheduler's state, the bucket order
+stages 0-2 learned, the frozen
 parameters and buffers, which rank's file holds which piece of which parameter, and each file's
 size and sha256. It is sealed with its own sha256, so any edit is caught; `validate_manifest` then
 checks every field (a resealed edit must still describe a consistent checkpoint), and
@@ -17,6 +19,8 @@ import math
 import re
 from pathlib import Path
 
+import torch
+
 from .config import DTYPES
 
 FORMAT_VERSION = 2
@@ -30,8 +34,30 @@ class CheckpointError(RuntimeError):
 
 
 # --- writing --------------------------------------------------------------------------------------
-def build_manifest(engine, names: dict[int, str], files: list[dict], order: list[int] | None) -> dict:
-    """The manifest of a checkpoint of `engine` whose rank files are `files` (names: canonical_names)."""
+def training_state(engine, names: dict[int, str], lr_scheduler=None) -> dict:
+    """The parameter groups (each group's parameter names and hyper-parameters) and the lr scheduler's
+    state, as JSON values; CheckpointError when a value cannot be written as JSON."""
+    def plain(value):
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+        return list(value) if isinstance(value, tuple) else value
+
+    groups = [{"params": [names[id(p)] for p in group["params"]],
+               "hyper": {k: plain(v) for k, v in group.items() if k != "params"}}
+              for group in engine.optimizer.param_groups]
+    state = {"param_groups": groups,
+             "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict()}
+    try:
+        json.dumps(state, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"the parameter groups or the lr scheduler's state cannot be saved as JSON: {err}") from err
+    return state
+
+
+def build_manifest(engine, names: dict[int, str], files: list[dict], order: list[int] | None,
+                   state: dict) -> dict:
+    """The manifest of a checkpoint of `engine` whose rank files are `files` (names: canonical_names;
+    state: training_state)."""
     aliases: dict[str, list[str]] = {}
     for name, param in engine.module.named_parameters(remove_duplicate=False):
         if name != names[id(param)]:
@@ -54,7 +80,7 @@ def build_manifest(engine, names: dict[int, str], files: list[dict], order: list
         "buffers": [{"name": n, "shape": list(b.shape)} for n, b in persistent_buffers(engine.module)],
         "state_keys": list(engine.module.state_dict(keep_vars=True).keys()),
         "param_order": None if order is None else [names[id(trainable[k])] for k in order],
-        "files": files, "hf": hf,
+        "files": files, "hf": hf, **state,
     }
 
 
@@ -122,6 +148,12 @@ def validate_manifest(m: dict) -> None:
     order = m.get("param_order", "missing")
     need(order is None or (isinstance(order, list) and all(isinstance(n, str) for n in order)
                            and sorted(order) == sorted(numels)), "param_order")
+    groups = m.get("param_groups")   # absent in checkpoints written before parameter groups existed
+    listed = [name for g in groups for name in g.get("params", ())] if isinstance(groups, list) and all(
+        isinstance(g, dict) for g in groups) else None
+    need(groups is None or (listed is not None and sorted(listed) == sorted(numels) and all(
+        isinstance(g["hyper"], dict) for g in groups)), "param_groups")
+    need(isinstance(m.get("lr_scheduler"), (dict, type(None))), "lr_scheduler")
     files = m.get("files")
     need(isinstance(files, list) and len(files) == m["world_size"], "files")
     covered = {name: [] for name in numels}
@@ -163,6 +195,30 @@ def check_matches_model(manifest: dict, engine, names: dict[int, str]) -> None:
             raise CheckpointError(f"checkpoint does not match the model at {kind} #{first}: checkpoint has "
                                   f"{theirs[first] if first < len(theirs) else None}, model has "
                                   f"{ours[first] if first < len(ours) else None}")
+
+
+def check_groups_match(manifest: dict, engine, names: dict[int, str], lr_scheduler) -> None:
+    """Raise CheckpointError when the checkpoint's parameter groups are not the engine's (the same
+    parameters in the same groups), or a scheduler is to be restored from a checkpoint without one."""
+    saved = manifest.get("param_groups")
+    if saved is not None:
+        ours = [[names[id(p)] for p in group["params"]] for group in engine.optimizer.param_groups]
+        theirs = [group["params"] for group in saved]
+        if [sorted(g) for g in ours] != [sorted(g) for g in theirs]:
+            raise CheckpointError(f"the checkpoint's parameter groups differ from this engine's: it has "
+                                  f"{len(theirs)} groups of {[len(g) for g in theirs]} parameters, the engine "
+                                  f"{len(ours)} of {[len(g) for g in ours]} (pass the same param_groups to initialize)")
+    if lr_scheduler is not None and manifest.get("lr_scheduler") is None:
+        raise CheckpointError("an lr scheduler was passed to load_checkpoint, but this checkpoint holds none "
+                              "(pass it to save_checkpoint too)")
+
+
+def restore_groups(manifest: dict, engine, lr_scheduler) -> None:
+    """Set the groups' hyper-parameters, then the scheduler's state, as the checkpoint saved them."""
+    for group, record in zip(engine.optimizer.param_groups, manifest.get("param_groups") or ()):
+        group.update({k: tuple(v) if k == "betas" else v for k, v in record["hyper"].items()})
+    if lr_scheduler is not None:
+        lr_scheduler.load_state_dict(manifest["lr_scheduler"])
 
 
 # --- names -----------------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ segment: no second copy. The update is one call per segment chunk into `triton_k
 Triton kernel on CUDA, its torch twin elsewhere); chunks of at most `bucket_numel` bound the torch
 twin's temporaries (the paper's constant-size buffers).
 
+Each parameter takes the hyper-parameters of its parameter group (param_groups.py), read afresh
+at every step, so a learning-rate schedule applies exactly on the next step.
+
 Like torch.optim.AdamW, a parameter that got no gradient in a step (on any rank) is not updated at
 all (no weight decay either), and each parameter counts its own steps for the bias correction: the
 engine passes which parameters were used, and each segment is updated in runs of consecutive
@@ -43,7 +46,7 @@ class ShardedAdamW:
             in the segments (the stage's `owned_pieces`, with the parameter's index among the
             trainable ones).
         num_params: how many trainable parameters there are (the length of `used` in `step`).
-        config: hyper-parameters.
+        config: its bucket_numel bounds each update call (the hyper-parameters come with each step).
         kernels: the `triton_kernels.load(...)` backend that runs the update and the norm.
     """
 
@@ -109,41 +112,44 @@ class ShardedAdamW:
         return total
 
     # --- the update ------------------------------------------------------------------------------
-    def _updates(self, g: int, used: list[bool]):
-        """[start, end, step) ranges of segment g to update: consecutive used parameters that share a
-        step count, merged."""
+    def _updates(self, g: int, used: list[bool], group_of: list[int]):
+        """[start, end, step, parameter group] ranges of segment g to update: consecutive used
+        parameters that share a step count and a parameter group (hence hyper-parameters), merged."""
         merged: list[list[int]] = []
         for start, end, k in self.runs[g]:
             if not used[k]:
                 continue
-            if merged and merged[-1][1] == start and merged[-1][2] == self.param_steps[k]:
+            key = [self.param_steps[k], group_of[k]]
+            if merged and merged[-1][1] == start and merged[-1][2:] == key:
                 merged[-1][1] = end
             else:
-                merged.append([start, end, self.param_steps[k]])
+                merged.append([start, end, *key])
         return merged
 
     @torch.no_grad()
-    def step(self, grads: list[torch.Tensor], grad_scale: float, used: list[bool],
+    def step(self, grads: list[torch.Tensor], grad_scale: float, used: list[bool], group_of: list[int],
+             hyper: list[tuple[float, float, float, float, float]],
              on_segment_done: Callable[[int], None] | None = None) -> None:
         """One AdamW update of the used parameters in every segment; `grad_scale` multiplies the
-        gradients first (loss-scale inverse times the clipping coefficient). `on_segment_done(g)`
-        runs after segment g is written (stages 1-2 start gathering that group's parameters while
-        the next segment updates)."""
+        gradients first (loss-scale inverse times the clipping coefficient). Parameter k takes the
+        hyper-parameters (lr, beta1, beta2, eps, weight_decay) of its group, `hyper[group_of[k]]`
+        (param_groups.py). `on_segment_done(g)` runs after segment g is written (stages 1-2 start
+        gathering that group's parameters while the next segment updates)."""
         self.step_count += 1
         for k, was_used in enumerate(used):
             self.param_steps[k] += int(was_used)
-        beta1, beta2 = self.config.betas
         chunk = self.config.bucket_numel
         for g, (master, grad, exp_avg, exp_avg_sq, out) in enumerate(zip(
                 self.masters, grads, self.exp_avgs, self.exp_avg_sqs, self.low_precision)):
-            for first, last, step in self._updates(g, used):
+            for first, last, step, group in self._updates(g, used, group_of):
+                lr, beta1, beta2, eps, weight_decay = hyper[group]
                 for start in range(first, last, chunk):
                     part = slice(start, min(start + chunk, last))
                     self.kernels.fused_adamw_(
                         master[part], grad[part], exp_avg[part], exp_avg_sq[part],
                         None if out is None else out[part],
-                        lr=self.config.lr, beta1=beta1, beta2=beta2, eps=self.config.eps,
-                        weight_decay=self.config.weight_decay, step=step, grad_scale=grad_scale)
+                        lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                        weight_decay=weight_decay, step=step, grad_scale=grad_scale)
             if on_segment_done is not None:
                 on_segment_done(g)
 

@@ -1,0 +1,118 @@
+"""Parameter groups and learning-rate schedules (zero_ref/param_groups.py): exact against torch's
+AdamW with the same groups and torch's LambdaLR at every stage and world sizes 1-3, saved and
+restored by checkpoints (into another stage), and refused clearly when they are wrong."""
+
+import pytest
+import torch
+from torch import nn
+
+import zero_ref
+from awkward import AwkwardNet, global_batches
+from schedules import SAVE_AT, STEPS, disagreement_run, engine_run, groups_of, reference
+from zero_ref.launch import spawn
+
+TOL = 1e-5   # fp32 round-off of sharded sums over 12 steps, as in test_engine_exact
+
+
+def _error(state, ref):
+    return max((state[k] - ref[k]).abs().max().item() for k in ref)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])   # world 2: the next tests
+def test_groups_and_schedule_match_torch_and_resume_exactly(world_size, tmp_path):
+    batches = global_batches(STEPS, 1, 12)
+    ref_state, ref_losses, ref_lrs = reference(batches)
+    assert len(set(ref_lrs)) > 5   # the schedule really changes the rate every step
+    ranks = spawn(engine_run, world_size, [0, 1, 2, 3], batches, str(tmp_path), timeout=240)
+    for stage, result in enumerate(ranks[0]):
+        assert result["lrs"] == ref_lrs, stage                       # the scheduler saw the same steps
+        assert result["losses"] == pytest.approx(ref_losses, abs=TOL), stage
+        assert _error(result["state"], ref_state) < TOL, stage
+        # resumed at step SAVE_AT in the next stage, with the scheduler: the same rates and numbers
+        assert result["resumed_lrs"] == ref_lrs[SAVE_AT:], stage
+        assert result["resumed_losses"] == pytest.approx(ref_losses[SAVE_AT:], abs=TOL), stage
+        assert _error(result["resumed_state"], ref_state) < TOL, stage
+        for other in ranks[1:]:
+            assert all(torch.equal(other[stage]["state"][k], v) for k, v in result["state"].items())
+
+
+@pytest.fixture(scope="module")
+def world1():
+    """One rank: the groups refused at initialize, the optimizer's refusals, and a plain run."""
+    return spawn(_world1, 1, global_batches(STEPS, 1, 12), timeout=120)[0]
+
+
+def test_without_groups_weight_decay_would_differ(world1):
+    """The exactness check above can fail: the same run with one group (decay everywhere) ends elsewhere."""
+    ref_state, _, _ = reference(global_batches(STEPS, 1, 12))
+    assert _error(world1["plain_state"], ref_state) > 100 * TOL
+
+
+def test_ranks_that_disagree_fail_together(tmp_path):
+    batches = global_batches(1, 1, 12)
+    results = spawn(disagreement_run, 2, batches, str(tmp_path), timeout=120)
+    for rank, result in enumerate(results):
+        different, invalid = result["errors"]
+        assert different and "different hyper-parameters" in different, rank
+        assert invalid and ("param_groups[0]['lr']" in invalid if rank == 0 else "1 of 2 ranks" in invalid), rank
+        assert result["unchanged"] and result["stepped"], rank
+        regrouped, no_scheduler = result["refused"]
+        assert regrouped and "parameter groups differ" in regrouped, rank
+        assert no_scheduler and "holds none" in no_scheduler, rank
+
+
+def _world1(rank, world_size, batches):
+    from awkward import loss_fn
+
+    model = AwkwardNet()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    cases = {
+        "twice": [{"params": trainable}, {"params": trainable[:1]}],
+        "missing": [{"params": trainable[1:]}],
+        "unknown": [{"params": trainable, "momentum": 0.9}],
+        "frozen": [{"params": trainable + [model.frozen.weight]}],
+        "stranger": [{"params": trainable + [nn.Parameter(torch.zeros(2))]}],
+        "bad_lr": [{"params": trainable, "lr": -1.0}],
+        "bad_betas": [{"params": trainable, "betas": (0.9, 1.5)}],
+        "dict": {"params": trainable},
+    }
+    messages = {}
+    for name, spec in cases.items():
+        try:
+            zero_ref.initialize(model, zero_ref.ZeroConfig(), param_groups=spec)
+            messages[name] = None
+        except (ValueError, TypeError) as err:
+            messages[name] = f"{type(err).__name__}: {err}"
+    engine = zero_ref.initialize(AwkwardNet(), zero_ref.ZeroConfig())
+    for name, call in (("state_dict", engine.optimizer.state_dict),
+                       ("add_param_group", lambda: engine.optimizer.add_param_group({"params": []})),
+                       ("closure", lambda: engine.optimizer.step(lambda: 0.0))):
+        try:
+            call()
+            messages[name] = None
+        except (RuntimeError, ValueError) as err:
+            messages[name] = str(err)
+    messages["is_optimizer"] = isinstance(engine.optimizer, torch.optim.Optimizer)
+    engine = zero_ref.initialize(AwkwardNet(), zero_ref.ZeroConfig(stage=3, lr=1e-2, kernels="torch"))
+    for (tokens,) in batches:
+        engine.backward(loss_fn(engine(tokens), tokens))
+        engine.step()
+    messages["plain_state"] = engine.full_state_dict()
+    return messages
+
+
+def test_bad_groups_are_refused_with_the_reason(world1):
+    m = world1
+    assert "each parameter belongs to one group" in m["twice"]
+    assert "in no param group" in m["missing"]
+    assert "unknown keys ['momentum']" in m["unknown"]
+    assert "frozen" in m["frozen"]
+    assert "not a parameter of the model" in m["stranger"]
+    assert "param_groups[0]['lr'] = -1.0" in m["bad_lr"]
+    assert "param_groups[0]['betas']" in m["bad_betas"]
+    assert m["dict"].startswith("TypeError") and "list of dicts" in m["dict"]
+    assert "engine.save_checkpoint" in m["state_dict"]
+    assert "fixed when it is built" in m["add_param_group"]
+    assert "no closure" in m["closure"]
+    assert m["is_optimizer"]
+    assert groups_of(AwkwardNet())   # the groups used above are not empty

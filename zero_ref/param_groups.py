@@ -1,0 +1,186 @@
+"""Parameter groups and learning-rate schedules: `engine.optimizer`, a torch Optimizer facade.
+
+Real training changes the learning rate every step (warmup, cosine decay) and leaves biases and
+norms out of weight decay. Both are per-parameter hyper-parameters, so neither changes what ZeRO
+shards: every parameter keeps its place in the flat buffers, and each rank's optimizer looks up the
+hyper-parameters of the parameter a piece belongs to when it updates that piece.
+
+    engine = zero_ref.initialize(model, config, param_groups=[
+        {"params": decay, "weight_decay": 0.1},
+        {"params": no_decay, "weight_decay": 0.0}])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, warmup_then_cosine)
+    ...
+    engine.backward(loss); engine.step(); scheduler.step()
+
+`engine.optimizer` is a `torch.optim.Optimizer` (so torch's `lr_scheduler` classes accept it) whose
+`param_groups` hold the groups' `lr`, `betas`, `eps` and `weight_decay` (unset ones default to the
+ZeroConfig's). `engine.step()` reads them afresh, so a change applies exactly on the next step. Its
+`step()` is `engine.step()`, its `zero_grad()` is `engine.zero_grad()`; its state lives in the
+engine's shards, so `state_dict()` refuses and points to `engine.save_checkpoint`, which saves the
+groups' values (and, if given, the scheduler's state).
+
+Every rank must hold the same values, or the shards of one model would take different steps.
+`engine.step()` checks it without a collective of its own: each rank adds a fingerprint of its
+values (`agreement_stats`) to the step's one statistics all-reduce, and every rank reads the same
+sums, so all raise together, before anything changes, when the values differ (a scheduler stepped
+on some ranks only) or are invalid somewhere.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+
+import torch
+from torch import nn
+
+HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+"""What a group may set (beside "params"); a scheduler may add its own keys (e.g. "initial_lr")."""
+
+
+def check_hyper(where: str, group: dict) -> tuple[float, float, float, float, float]:
+    """(lr, beta1, beta2, eps, weight_decay) of one group as floats; ValueError naming the bad key."""
+    def number(key):
+        value = group[key]
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{where}[{key!r}] = {value!r} is not allowed: expected a finite number")
+        return float(value)
+
+    lr, eps, weight_decay = number("lr"), number("eps"), number("weight_decay")
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"{where}['betas'] = {betas!r} is not allowed: expected a pair of numbers in [0, 1)")
+    beta1, beta2 = (number_in(where, "betas", b) for b in betas)
+    for key, value, ok, allowed in (("lr", lr, lr >= 0, ">= 0"), ("eps", eps, eps > 0, "> 0"),
+                                    ("weight_decay", weight_decay, weight_decay >= 0, ">= 0")):
+        if not ok:
+            raise ValueError(f"{where}[{key!r}] = {value!r} is not allowed: expected a finite number {allowed}")
+    return lr, beta1, beta2, eps, weight_decay
+
+
+def number_in(where: str, key: str, value) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{where}[{key!r}] contains {value!r}: expected a pair of numbers in [0, 1)")
+    return float(value)
+
+
+def build_groups(spec, model: nn.Module, trainable: list[nn.Parameter], defaults: dict) -> list[dict]:
+    """Validated groups from torch's form (a list of dicts with "params" and optional HYPER_KEYS), each
+    trainable parameter in exactly one; None: one group of every trainable parameter."""
+    if spec is None:
+        return [{"params": list(trainable), **defaults}]
+    if isinstance(spec, dict) or not hasattr(spec, "__iter__"):
+        raise TypeError("param_groups must be a list of dicts like torch's optimizers take "
+                        "([{'params': [...], 'weight_decay': 0.0}, ...]), got " + type(spec).__name__)
+    names = {id(p): n for n, p in model.named_parameters()}
+    trainable_ids = {id(p) for p in trainable}
+    owner: dict[int, int] = {}
+    groups = []
+    for i, group in enumerate(spec):
+        where = f"param_groups[{i}]"
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(f"{where} must be a dict with a 'params' entry, got {group!r:.80}")
+        unknown = sorted(set(group) - {"params", *HYPER_KEYS})
+        if unknown:
+            raise ValueError(f"{where} has unknown keys {unknown}: allowed are 'params' and {', '.join(HYPER_KEYS)}")
+        params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+        for param in params:
+            if not isinstance(param, nn.Parameter) or id(param) not in names:
+                raise ValueError(f"{where}['params'] holds a tensor that is not a parameter of the model "
+                                 f"({type(param).__name__} of shape {tuple(getattr(param, 'shape', ()))})")
+            if id(param) not in trainable_ids:
+                raise ValueError(f"{where}['params'] holds {names[id(param)]}, which is frozen "
+                                 "(requires_grad=False): frozen parameters are not optimized")
+            if id(param) in owner:
+                raise ValueError(f"parameter {names[id(param)]} is in param_groups[{owner[id(param)]}] and "
+                                 f"{where}: each parameter belongs to one group")
+            owner[id(param)] = i
+        merged = {**defaults, **{k: v for k, v in group.items() if k != "params"}, "params": params}
+        if "betas" in group:
+            merged["betas"] = tuple(group["betas"]) if isinstance(group["betas"], (tuple, list)) else group["betas"]
+        check_hyper(where, merged)
+        groups.append(merged)
+    missing = [names[id(p)] for p in trainable if id(p) not in owner]
+    if missing:
+        raise ValueError(f"trainable parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} are in no "
+                         "param group: list each in one group, or freeze it with requires_grad_(False)")
+    return groups
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """The engine's optimizer as torch sees it: `param_groups` to read and change (by hand or by a
+    torch lr_scheduler), `step()` = `engine.step()`, `zero_grad()` = `engine.zero_grad()`. The
+    optimizer state itself (fp32 masters and moments) is sharded inside the engine's stage."""
+
+    def __init__(self, engine, groups: list[dict]):
+        self._engine = engine
+        self._building = True
+        defaults = {k: v for k, v in groups[0].items() if k in HYPER_KEYS}
+        super().__init__([dict(g) for g in groups], defaults)
+        self._building = False
+        index = engine.stage.index
+        self.group_of = [0] * len(index)
+        """group_of[k]: the group of trainable parameter k (the stage's index)."""
+        for g, group in enumerate(self.param_groups):
+            for param in group["params"]:
+                self.group_of[index[id(param)]] = g
+
+    def hyperparameters(self) -> list[tuple[float, float, float, float, float]]:
+        """(lr, beta1, beta2, eps, weight_decay) per group, as this rank holds them now (validated)."""
+        return [check_hyper(f"engine.optimizer.param_groups[{g}]", group) for g, group in enumerate(self.param_groups)]
+
+    def step(self, closure=None):
+        """`engine.step()`: the update, if the backwards since the last step complete one."""
+        if closure is not None:
+            raise ValueError("engine.optimizer.step takes no closure: run forward and engine.backward, then step")
+        return self._engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """`engine.zero_grad()`: discard the gradients accumulated since the last step."""
+        self._engine.zero_grad()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not self._building:
+            raise RuntimeError("the engine's parameter groups are fixed when it is built: pass every group "
+                               "to zero_ref.initialize(..., param_groups=[...])")
+        super().add_param_group(param_group)
+
+    def state_dict(self):
+        raise RuntimeError("the optimizer state is sharded across the ranks: save it with engine.save_checkpoint "
+                           "(it keeps the groups' hyper-parameters and, if passed, the lr scheduler's state)")
+
+    def load_state_dict(self, state_dict) -> None:
+        raise RuntimeError("the optimizer state is sharded across the ranks: restore it with engine.load_checkpoint")
+
+
+FINGERPRINT_PARTS = 5
+"""A hash of the hyper-parameters cut into 5 four-bit numbers h: two different sets of values pass
+for equal with probability 2**-20. Sums of h and h*h over up to 74,565 ranks stay below 2**24, so
+they are exact in the fp32 statistics whatever the order of summation."""
+
+
+def agreement_stats(hyper: list[tuple] | None) -> list[float]:
+    """[invalid, h_1..h_5, h_1**2..h_5**2] for one rank's hyper-parameters (None: invalid here)."""
+    if hyper is None:
+        return [1.0] + [0.0] * (2 * FINGERPRINT_PARTS)
+    values = [v for group in hyper for v in group]
+    digest = zlib.crc32(struct.pack(f"<{len(values)}d", *values))
+    parts = [float((digest >> (4 * i)) & 15) for i in range(FINGERPRINT_PARTS)]
+    return [0.0, *parts, *(h * h for h in parts)]
+
+
+def agreement(summed: list[float], world_size: int) -> str | None:
+    """None when every rank held valid and equal values, else what was wrong. By Cauchy-Schwarz,
+    Nd * sum(h**2) == sum(h)**2 exactly when every rank's h is the same."""
+    invalid, parts, squares = summed[0], summed[1:1 + FINGERPRINT_PARTS], summed[1 + FINGERPRINT_PARTS:]
+    if invalid:
+        return f"{int(invalid)} of {world_size} ranks hold invalid hyper-parameters in engine.optimizer.param_groups"
+    if world_size > 74_565 or all(world_size * round(q) == round(h) ** 2 for h, q in zip(parts, squares)):
+        return None
+    return ("the ranks hold different hyper-parameters in engine.optimizer.param_groups (a learning-rate "
+            "scheduler or a manual change applied on some ranks only?): every rank must set the same values")
