@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .comm import Comm
+from .comm import Comm, label
 from .config import ZeroConfig
 from .grad_hooks import register_grad_hooks
 from .partition import GroupLayout, move_state, pack_into_buckets
@@ -139,9 +139,10 @@ class BucketedStage(Stage):
     def segment_updated(self, g: int) -> None:
         """Stages 1-2: start gathering bucket g's updated parameters while the next segment updates."""
         if self.shard_states:
-            self.pending.append(self.comm.all_gather(
-                self.layout.full_slice(self.flat_params, g), self.layout.own_slice(self.flat_params, g, self.rank),
-                async_op=True))
+            with label("zero_ref::regather bucket", g):   # a profiler label only
+                self.pending.append(self.comm.all_gather(
+                    self.layout.full_slice(self.flat_params, g), self.layout.own_slice(self.flat_params, g, self.rank),
+                    async_op=True))
 
     def after_update(self) -> None:
         self._wait_pending()

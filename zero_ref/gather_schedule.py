@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .comm import label
+
 DONE = -1
 
 
@@ -77,7 +79,9 @@ class GatherSchedule:
     def _round(self, request: int) -> list[int]:
         """One control exchange: every rank's request (or DONE); gather the requested units."""
         wanted: list[int] = []
-        for (unit,) in self.comm.exchange([request]):
+        with label("zero_ref::schedule round"):   # a profiler label only
+            answers = self.comm.exchange([request])
+        for (unit,) in answers:
             if unit != DONE and unit not in wanted:
                 wanted.append(unit)
         for unit in wanted:

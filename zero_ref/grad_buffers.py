@@ -12,6 +12,11 @@ added into the fp32 buffer and dropped (the cost of accumulating in fp32).
 Reductions are launched on the communication side stream (`comm.reduce_stream`, CUDA only) and
 waited on there, so the compute stream never stalls behind one; `end_backward`/`drain` makes the
 compute stream wait once, at the end of backward.
+
+Profiler labels (comm.label): "zero_ref::reduce bucket <g>" where a bucket's reduction starts,
+and for stages 2-3 "zero_ref::take bucket <g>" where a bucket gets its buffer from the pool and
+"zero_ref::reduced bucket <g>" where its reduced chunk is added into the shard and the buffer goes
+back.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from .comm import label
 from .grad_hooks import GroupArrivals
 from .partition import FlatGroup, GroupLayout
 
@@ -80,7 +86,7 @@ class FullGradBuffer:
             self.arrivals.arrive(g, i)
 
     def _launch(self, g: int) -> None:
-        with self.comm.reduce_stream.after_current():
+        with label("zero_ref::reduce bucket", g), self.comm.reduce_stream.after_current():
             pending = self.reduce(g)
         if pending is not None:
             self.in_flight.append(pending)
@@ -163,7 +169,8 @@ class ShardedGradBuckets:
 
     def _bucket(self, g: int) -> torch.Tensor:
         if g not in self.filling:
-            self.filling[g] = self.pool.take(self.groups[g].padded_numel)
+            with label("zero_ref::take bucket", g):
+                self.filling[g] = self.pool.take(self.groups[g].padded_numel)
         return self.filling[g]
 
     def bind(self, g: int) -> None:
@@ -190,7 +197,7 @@ class ShardedGradBuckets:
         for param in self.groups[g].params:   # nothing may write into the bucket any more
             param.grad = None
         lo, hi = self.groups[g].shard_range(self.comm.rank)
-        with self.comm.reduce_stream.after_current():
+        with label("zero_ref::reduce bucket", g), self.comm.reduce_stream.after_current():
             pending = self.comm.reduce_scatter(bucket[lo:hi], bucket, async_op=self.overlap)
         self.in_flight.append((g, bucket, pending))
         if self.may_block:
@@ -206,7 +213,7 @@ class ShardedGradBuckets:
 
     def _finish_oldest(self) -> None:
         g, bucket, pending = self.in_flight.popleft()
-        with self.comm.reduce_stream.on():
+        with label("zero_ref::reduced bucket", g), self.comm.reduce_stream.on():
             if pending is not None:
                 pending.wait()
             lo, hi = self.groups[g].shard_range(self.comm.rank)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from .comm import label
 from .stage0 import Stage0
 
 
@@ -52,10 +53,11 @@ class Stage1(Stage0):
 
     def _regather_grads(self, in_step: bool = True) -> None:
         """Make the gradient buffer the full averaged gradient on every rank (see the docstring)."""
-        for g in range(len(self.groups)):
-            self.pending.append(self.comm.all_gather(
-                self.grads.bucket(g), self._segment(self.grads.flat, g), async_op=True, in_step=in_step))
-        self._wait_pending()
+        with label("zero_ref::regather gradients"):   # a profiler label only
+            for g in range(len(self.groups)):
+                self.pending.append(self.comm.all_gather(
+                    self.grads.bucket(g), self._segment(self.grads.flat, g), async_op=True, in_step=in_step))
+            self._wait_pending()
         self.scattered = False
 
     def begin_backward(self, boundary: bool) -> None:

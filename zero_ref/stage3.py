@@ -40,7 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .comm import Comm, SideStream
+from .comm import Comm, SideStream, label
 from .config import ZeroConfig
 from .gather_schedule import GatherSchedule
 from .grad_buffers import ShardedGradBuckets
@@ -174,14 +174,16 @@ class Stage3(Stage):
         self.gather_stream.wait_event(self.shards_written)
         with self.gather_stream.on():
             if self.state[g] is UnitState.FREED:
-                full = self.full_params[g]
-                full.untyped_storage().resize_(full.numel() * full.element_size())
-                self.pending[g] = self.comm.all_gather(full, self.param_shards[g], async_op=True, channel="gather")
+                with label("zero_ref::gather unit", g):   # profiler labels only
+                    full = self.full_params[g]
+                    full.untyped_storage().resize_(full.numel() * full.element_size())
+                    self.pending[g] = self.comm.all_gather(full, self.param_shards[g], async_op=True, channel="gather")
                 self.state[g] = UnitState.GATHERING
             else:   # held here, but a peer needs it: take part, into a scratch buffer
-                scratch = torch.empty_like(self.full_params[g])
-                self.scratch.append((scratch, self.comm.all_gather(scratch, self.param_shards[g], async_op=True,
-                                                                   channel="gather")))
+                with label("zero_ref::gather unit", g, "scratch"):
+                    scratch = torch.empty_like(self.full_params[g])
+                    self.scratch.append((scratch, self.comm.all_gather(scratch, self.param_shards[g], async_op=True,
+                                                                       channel="gather")))
 
     def _wait(self, g: int) -> None:
         if self.state[g] is UnitState.GATHERING:
@@ -193,7 +195,8 @@ class Stage3(Stage):
     def _free(self, g: int) -> None:
         self._wait(g)
         if self.state[g] is UnitState.GATHERED:
-            self.full_params[g].untyped_storage().resize_(0)
+            with label("zero_ref::free unit", g):
+                self.full_params[g].untyped_storage().resize_(0)
             self.state[g] = UnitState.FREED
 
     def _free_unused(self) -> None:
