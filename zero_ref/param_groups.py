@@ -41,32 +41,19 @@ HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 def check_hyper(where: str, group: dict) -> tuple[float, float, float, float, float]:
     """(lr, beta1, beta2, eps, weight_decay) of one group as floats; ValueError naming the bad key."""
-    def number(key):
-        value = group[key]
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{where}[{key!r}] = {value!r} is not allowed: expected a finite number")
+    def number(key, value, ok, allowed):
+        value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+            raise ValueError(f"{where}[{key!r}] = {group[key]!r} is not allowed: expected {allowed}")
         return float(value)
 
-    lr, eps, weight_decay = number("lr"), number("eps"), number("weight_decay")
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"{where}['betas'] = {betas!r} is not allowed: expected a pair of numbers in [0, 1)")
-    beta1, beta2 = (number_in(where, "betas", b) for b in betas)
-    for key, value, ok, allowed in (("lr", lr, lr >= 0, ">= 0"), ("eps", eps, eps > 0, "> 0"),
-                                    ("weight_decay", weight_decay, weight_decay >= 0, ">= 0")):
-        if not ok:
-            raise ValueError(f"{where}[{key!r}] = {value!r} is not allowed: expected a finite number {allowed}")
-    return lr, beta1, beta2, eps, weight_decay
-
-
-def number_in(where: str, key: str, value) -> float:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise ValueError(f"{where}[{key!r}] contains {value!r}: expected a pair of numbers in [0, 1)")
-    return float(value)
+    beta1, beta2 = (number("betas", b, lambda v: 0 <= v < 1, "a pair of numbers in [0, 1)") for b in betas)
+    return (number("lr", group["lr"], lambda v: v >= 0, "a finite number >= 0"), beta1, beta2,
+            number("eps", group["eps"], lambda v: v > 0, "a finite number > 0"),
+            number("weight_decay", group["weight_decay"], lambda v: v >= 0, "a finite number >= 0"))
 
 
 def build_groups(spec, model: nn.Module, trainable: list[nn.Parameter], defaults: dict) -> list[dict]:
