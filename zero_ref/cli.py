@@ -2,6 +2,7 @@
 
     zero-ref reproduce [--quick]
     zero-ref bench [--smoke] [--save-baseline] [--peers]
+    zero-ref explain --stage 3
     zero-ref train --stage 2 --dtype bf16 --nproc 2 --steps 50
     zero-ref consolidate CHECKPOINT OUT
 
@@ -210,12 +211,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     if argv[:1] == ["bench"]:       # so does the suite: zero-ref bench --help
         sys.exit(_plugin("bench")(argv[1:]))
+    if argv[:1] == ["explain"]:     # and the walkthrough's traced step: zero-ref explain --help
+        sys.exit(_plugin("explain")(argv[1:]))
     parser = argparse.ArgumentParser(prog="zero-ref", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("reproduce", help="run every study of the paper at the size this machine allows "
                                      "and write results/ and results/REPORT.md (see zero-ref reproduce --help)")
     sub.add_parser("bench", help="the scaling regression suite (pytest-benchmark, gated against the committed "
                                  "baseline) and, with --peers, the peers side by side (see zero-ref bench --help)")
+    sub.add_parser("explain", help="one training step traced and told event by event: gathers, reductions, frees "
+                                   "and the bytes alive (see zero-ref explain --help)")
     _train_parser(sub)
     _consolidate_parser(sub)
     args = parser.parse_args(argv)
