@@ -202,8 +202,11 @@ def report(found: list[dict], meta: dict, out: Path) -> str:
              "the code, is in [docs/](../../docs/README.md).", "",
              "Bytes alive: every allocation and free of the rank's CPU allocator since the model was built; the paper's "
              "formula counts model states only (parameters, gradients, optimizer states), so the curve sits above it "
-             "by the constant-size buckets (CB), activations and, at stage 3, the gathered units. Times are those of "
-             "Python-driven CPU ranks; only the order and the overlap carry over to GPUs.", "",
+             "by the constant-size buckets (CB), activations, gloo's staging copies of collectives in flight (made on "
+             "its worker threads), at stage 3 the gathered units, and during the update the fp32 temporaries of "
+             "AdamW's torch twin (one chunk at a time). Times are those of "
+             "Python-driven CPU ranks on a shared machine and vary from run to run; the order of events and the "
+             "overlap are what the figures show.", "",
              "| stage | paper formula | formula | memory_report, rank 0 | CB | alive at start | peak alive | elements "
              "moved | paper | reductions issued during backward | checks |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in found:
@@ -212,9 +215,11 @@ def report(found: list[dict], meta: dict, out: Path) -> str:
                      f"{f['moved']['total']:,} ({f['moved']['total'] / f['psi']:.4f}Ψ) | {MOVED[f['stage']]} | "
                      f"{f['issued_in_backward']} of {f['reductions']} | "
                      f"{'hold' if not any(f['problems'].values()) else 'VIOLATED'} |")
+    stats = {r["elements"] for f in found for r in f["rows"][0] if r["what"] == "step statistics"}
     lines += ["", "Elements moved: the engine's ledger, counted as the paper counts (an all-reduce of n moves 2n); "
-              "beyond 2Ψ/3Ψ it holds the step's 25-element statistics all-reduce (gradient norm, overflow flag, "
-              "which parameters got a gradient).", ""]
+              f"beyond 2Ψ/3Ψ it holds the step's statistics all-reduce of {', '.join(map(str, sorted(stats)))} "
+              "elements (engine.step: sum of squares, non-finite flag, which parameters got a gradient, the "
+              "hyper-parameters' agreement fingerprint).", ""]
     for f in found:
         n = f["stage"]
         lines += [f"## Stage {n} ({STAGE_NAMES[n]})", "", f"![stage {n}](timeline_stage{n}.png)", "",
@@ -232,8 +237,8 @@ def report(found: list[dict], meta: dict, out: Path) -> str:
 def _shown(f: dict) -> list[str]:
     n = f["stage"]
     said = [f"{f['issued_in_backward']} of {f['reductions']} gradient reductions are issued before backward's last "
-            f"computation ends and {f['done_in_backward']} of them finish (gloo) before it: the last blocks' "
-            "reductions run while earlier blocks still compute backward."]
+            f"computation ends, and gloo has finished {f['done_in_backward']} of them by then: the reductions of the "
+            "blocks backward reaches first run while earlier blocks still compute."]
     if n == 3:
         said.append(f"{f['gathers']} unit all-gathers ({f['world']} ranks: each a 1/{f['world']} shard from every rank) "
                     f"and {f['frees']} frees: every unit is gathered before its forward and again before its backward, "
