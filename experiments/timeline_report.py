@@ -144,8 +144,9 @@ def plot(path: Path, f: dict, raws: list[dict]) -> None:
             for ax in (top, bottom):
                 ax.axvspan(ms(r["start_us"]), ms(r["end_us"]), color="0.93" if r["what"] in ("forward", "optimizer")
                            else "0.97", zorder=0)
-            top.text(ms(r["start_us"]), len(lanes) + (0.72 if phases % 2 == 0 else 0.5), r["what"].replace("_", " "),
-                     fontsize=9, va="center")
+            late = r["start_us"] > 0.85 * raws[0]["step_us"]   # near the right edge: the label ends there
+            top.text(ms(r["end_us"] if late else r["start_us"]), len(lanes) + (0.72 if phases % 2 == 0 else 0.5),
+                     r["what"].replace("_", " "), fontsize=9, va="center", ha="right" if late else "left")
             phases += 1
         elif r["lane"] == "compute":
             top.barh(y["compute"], ms(r["end_us"] - r["start_us"]), left=ms(r["start_us"]), height=0.5, color=c,
