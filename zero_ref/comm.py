@@ -192,13 +192,21 @@ def _channel_groups(parent: dist.ProcessGroup | None, backend: str, timeout_s: f
                     ) -> tuple[tuple, list[dist.ProcessGroup]]:
     """(cache key, [reduce, gather, control] groups) over the ranks of `parent` (see the module
     docstring): created by the first engine on those ranks, shared by the later ones. Every rank of
-    `parent` creates them at the same point, its first initialize with these settings."""
+    `parent` creates them at the same point, its first initialize with these settings.
+
+    How torch names the groups decides whether the ranks meet. A group over only some ranks is
+    created with `use_local_synchronization` (the other ranks never call): torch names it after
+    the number of groups this process has registered, so the members must have registered equally
+    many. A group over every rank is created the ordinary way, named by the count of `new_group`
+    calls, which every rank makes alike: a user's `dist.new_group([0, 1])` on 3 ranks registers a
+    group on ranks 0-1 only, and local names would then differ and time out in the rendezvous."""
     parent = parent if parent is not None else dist.group.WORLD
     key = (id(parent), backend, timeout_s)
     if key not in _CHANNELS:
         ranks = dist.get_process_group_ranks(parent)
         timeout = timedelta(seconds=timeout_s)
-        groups = [dist.new_group(ranks, timeout=timeout, backend=kind, use_local_synchronization=True)
+        local = len(ranks) < dist.get_world_size()
+        groups = [dist.new_group(ranks, timeout=timeout, backend=kind, use_local_synchronization=local)
                   for kind in (backend, backend, "gloo")]
         _CHANNELS[key] = (parent, groups)   # holding the parent keeps its id from being reused
     return key, _CHANNELS[key][1]
