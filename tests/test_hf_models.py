@@ -223,6 +223,13 @@ def _all_cases(rank: int, world: int, folder: str) -> dict:
         for arch in ARCHS:
             for w in sorted(SAVE):
                 results[("consolidated", arch, w)] = _consolidate(ckpt(arch, w), f"{folder}/out-{arch}-w{w}", arch)
+    if rank == 1:   # elsewhere the Hugging Face export must refuse, not leave an empty folder
+        from zero_ref.checkpoint import CheckpointError, consolidate
+        try:
+            consolidate(ckpt(ARCHS[0], 3), f"{folder}/out-rank1")
+            results[("rank1_consolidate",)] = None
+        except CheckpointError as err:
+            results[("rank1_consolidate",)] = str(err)
     return results
 
 
@@ -299,3 +306,10 @@ def test_consolidated_checkpoint_reloads_with_from_pretrained(runs, arch, world)
     print(f"\n{arch} world {world}: max |logits from_pretrained - full_state_dict model| {diff:.1e}, "
           f"engine forward - full_state_dict model {own:.1e}")
     assert diff <= ATOL and own <= ATOL, (diff, own)
+
+
+def test_consolidate_off_rank0_refuses_the_hf_export(runs):
+    """transformers' save_pretrained writes nothing on a rank other than 0 of an initialized group:
+    consolidate says so instead of leaving OUT/hf empty."""
+    (message,) = runs[("rank1_consolidate",)]
+    assert message and "only on global rank 0" in message

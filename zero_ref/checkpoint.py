@@ -38,6 +38,7 @@ import uuid
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -286,8 +287,15 @@ def _save_pretrained(hf: dict, state: dict[str, torch.Tensor], folder: Path) -> 
     model_class = getattr(transformers, hf["class"])
     config_class = model_class.config_class
     config = config_class.from_dict(hf["config"])
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        # transformers' save_pretrained writes nothing on a rank other than 0, silently
+        raise CheckpointError("the Hugging Face export writes only on global rank 0 (transformers' rule): call "
+                              "consolidate on rank 0, or in a process without torch.distributed")
     model = model_class(config)
-    model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"the checkpoint's tensors do not fit {hf['class']}: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
     model.save_pretrained(folder)
 
 
