@@ -20,12 +20,19 @@ and data parallelism of degree Nd:
   gradients per constant-size bucket (CB, Sec 6.2) instead: ``cb_buffers`` buffers of
   ``cb_numel`` fp32 elements.
 * activations with checkpointing (Sec 3.2): one checkpoint per layer, b·s·h·L fp16 values,
-  replicated on every MP rank (no Pa); plus the recomputed layer in backward (the paper's
-  footnote count for one layer, 12·b·s·h values); plus the logits, b·s·V/Nm values in fp16 and
+  replicated on every MP rank (no Pa); plus (``activation_extras``, our choice: the paper shows no
+  accounting, see experiments/activation_study.py) the recomputed layer in backward (the paper's
+  footnote count for one layer, 12·b·s·h values) and the logits, b·s·V/Nm values in fp16 and
   again in fp32 for the loss.
 * the framework: ``context_bytes`` (CUDA context, cuBLAS/NCCL workspaces: memory PyTorch's
   allocator never sees), and a ``fragmentation`` share of the rest that the caching allocator
   cannot hand out (the paper saw OOM with over 30% free in extreme cases, Sec 3.2).
+
+None of ``Assumptions`` is stated by the paper for these runs: each is chosen, and the
+fragmentation share (15%) was chosen in the same change that compared the result with Table 2,
+so it is in effect one parameter fitted to twelve points until it is measured
+(experiments/fragmentation_study.py measures it). ``sensitivity_rows`` redoes the
+search with each chosen number changed in turn; the reports show how much each one moves.
 
 The family: the hidden sizes and head counts of the paper's runs (Table 4 / appendix), any
 number of layers no shallower than the paper's shallowest shape (hidden / layers <= 164, from
@@ -60,6 +67,7 @@ class Assumptions:
     baseline_fp32_grads: bool = True     # 2019 baselines: fp32 copy of all gradients, 4Ψ bytes
     cb_numel: int = 2**22                # elements per constant-size buffer (ZeroConfig default)
     cb_buffers: int = 3                  # buffers alive at once (2 in flight + 1 filling)
+    activation_extras: bool = True       # + one recomputed layer and the logits beside the checkpoints
 
     def usable_bytes(self) -> float:
         return (self.device_bytes - self.context_bytes) * (1 - self.fragmentation)
@@ -87,8 +95,8 @@ def per_gpu_bytes(shape: ModelShape, case: Case, a: Assumptions) -> dict[str, fl
         buffers = a.cb_buffers * a.cb_numel * 4
     checkpoints = 0 if case.checkpoints == "pa_cpu" else 2 * mm.activation_values(
         shape.hidden, case.batch, a.seq, shape.layers, checkpointing=True, nm=case.nm, pa=case.checkpoints == "pa")
-    recompute = 2 * mm.activation_values(shape.hidden, case.batch, a.seq, 1)
-    logits = 6 * case.batch * a.seq * shape.vocab / case.nm
+    recompute = 2 * mm.activation_values(shape.hidden, case.batch, a.seq, 1) if a.activation_extras else 0
+    logits = 6 * case.batch * a.seq * shape.vocab / case.nm if a.activation_extras else 0
     terms = {"states": states, "buffers": buffers, "activations": checkpoints + recompute + logits}
     terms["total"] = sum(terms.values())
     return terms
@@ -142,22 +150,22 @@ NO_MP_CASES = (Case("Fig 4 baseline DDP (1.4B)", 0, 128, 1, 1), Case("Fig 4 ZeRO
 (its 1.38B run, appendix); ZeRO-100B (Pos+g with ZeRO-R) reached 13B at batch 2 (its 13B run)."""
 
 
-def table2_cases() -> list[tuple[Case, float | None]]:
+def table2_cases(batch: int = TABLE2_BATCH) -> list[tuple[Case, float | None]]:
     """(case, the paper's measured size in B or None) for every stage and MP degree of Table 2."""
     cases = []
     for nm, (baseline, pos) in TABLE2_MEASURED_B.items():
         for stage in range(4):
             measured = {0: baseline, 1: pos}.get(stage)
-            cases.append((Case(f"Table 2 MP {nm} {mm.PAPER_NAMES[stage]}", stage, 64, nm, TABLE2_BATCH), measured))
+            cases.append((Case(f"Table 2 MP {nm} {mm.PAPER_NAMES[stage]}", stage, 64, nm, batch), measured))
     return cases
 
 
-def search_rows(a: Assumptions | None = None) -> list[dict]:
+def search_rows(a: Assumptions | None = None, table2_batch: int = TABLE2_BATCH) -> list[dict]:
     """One row per case of Table 2 and of the no-MP study: our largest model beside the paper's."""
     a = a or Assumptions()
     theory = {(r["nm"], r["stage"]): r for r in mm.table2_theory_rows()}
     rows = []
-    cases = [(c, m, "Table 2") for c, m in table2_cases()]
+    cases = [(c, m, "Table 2") for c, m in table2_cases(table2_batch)]
     cases += [(c, NO_MP_B[c.stage], "Fig 4 / Sec 10.4") for c in NO_MP_CASES]
     for case, paper_b, study in cases:
         found = largest_model(case, a)
@@ -207,7 +215,7 @@ def fig6_rows(a: Assumptions | None = None) -> list[dict]:
     return rows
 
 
-def versus_nd_rows(nds=(1, 4, 16, 64, 256, 1024), batch: int = 1, a: Assumptions | None = None) -> list[dict]:
+def versus_nd_rows(nds=(1, 4, 16, 64, 128, 256, 1024), batch: int = 1, a: Assumptions | None = None) -> list[dict]:
     """Largest model per stage against Nd without MP (for the plot): our search, and the theory
     (model states only, the whole 32 GB) beside it."""
     a = a or Assumptions()
@@ -222,15 +230,43 @@ def versus_nd_rows(nds=(1, 4, 16, 64, 256, 1024), batch: int = 1, a: Assumptions
     return rows
 
 
-def sensitivity_rows(fragmentations=(0.0, 0.1, 0.15, 0.2, 0.3)) -> list[dict]:
-    """How the measured-column predictions move with the one assumption we are least sure of."""
+VARIANTS = (
+    ("fragmentation", "share of the rest lost to the caching allocator", [0.0, 0.1, 0.15, 0.2, 0.3]),
+    ("context_bytes", "CUDA context and workspaces (bytes)", [0.0, 0.5e9, 1e9, 2e9]),
+    ("baseline_fp32_grads", "baseline keeps an fp32 copy of all gradients (4Ψ)", [True, False]),
+    ("activation_extras", "a recomputed layer and the logits beside the checkpoints", [True, False]),
+    ("table2_batch", "sequences per GPU in Table 2's runs", [1, 2]),
+)
+"""The chosen numbers of the search, each with the values tried: (field of Assumptions, or
+``table2_batch``; what it is; values). The first value equal to the default is the chosen one."""
+
+
+def sensitivity_rows() -> list[dict]:
+    """How the 12 measured-column predictions move when one chosen number changes and the others keep
+    their chosen values: one row per (assumption, value, case)."""
+    chosen = asdict(Assumptions()) | {"table2_batch": TABLE2_BATCH}
     rows = []
-    for frag in fragmentations:
-        for row in search_rows(Assumptions(fragmentation=frag)):
-            if row["paper_measured_b"]:
-                rows.append({"fragmentation": frag, "case": row["case"], "paper_measured_b": row["paper_measured_b"],
-                             "ours_b": row["ours_b"], "error_pct": row["error_pct"]})
+    for name, what, values in VARIANTS:
+        for value in values:
+            a = Assumptions(**{name: value}) if name != "table2_batch" else Assumptions()
+            batch = value if name == "table2_batch" else TABLE2_BATCH
+            for row in search_rows(a, batch):
+                if row["paper_measured_b"]:
+                    rows.append({"assumption": name, "what": what, "value": _label(name, value),
+                                 "chosen": value == chosen[name],
+                                 "case": row["case"], "paper_measured_b": row["paper_measured_b"],
+                                 "ours_b": row["ours_b"], "error_pct": row["error_pct"]})
     return rows
+
+
+def _label(name: str, value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if name == "fragmentation":
+        return f"{value:.0%}"
+    if name.endswith("_bytes"):
+        return f"{value / 1e9:g} GB"
+    return str(value)
 
 
 def assumptions_table(a: Assumptions | None = None) -> dict:

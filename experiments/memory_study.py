@@ -10,8 +10,9 @@ The max-model-size search (``max_model_size``) turns the per-GPU accounting into
 "measured" columns, and the engine at scale confirms the model-state bytes of every shape found.
 
 Outputs in ``--out`` (default ``results/memory``): table1.csv, memory_vs_nd.csv, figure1.csv,
-bench_1t.json, table2.csv, table2_sensitivity.csv, assumptions.json, max_model_vs_nd.csv,
-real_runs.csv, memory_vs_nd.png, max_model_vs_nd.png, real_runs.png, REPORT.md and meta.json.
+bench_1t.json, table2.csv, table2_sensitivity.csv (the search redone with each chosen number
+changed in turn), assumptions.json, max_model_vs_nd.csv, real_runs.csv, memory_vs_nd.png,
+figure1.png, max_model_vs_nd.png, real_runs.png, REPORT.md and meta.json.
 
     python experiments/memory_study.py            # everything (a few minutes on 2 cores)
     python experiments/memory_study.py --quick    # the same tables, fewer extra cases and runs
@@ -173,7 +174,7 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
     versus_nd.to_csv(out / "max_model_vs_nd.csv", index=False)
     (out / "assumptions.json").write_text(json.dumps(mms.assumptions_table(), indent=2) + "\n")
     runs.to_csv(out / "real_runs.csv", index=False)
-    memory_report.plots(out, at_scale, versus_nd, t2, runs)
+    memory_report.plots(out, at_scale, versus_nd, t2, runs, fig1)
     lap("write_and_plot")
     meta = provenance() | {"quick": quick, "seconds": seconds, "real_run": asdict(run)}
     (out / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
