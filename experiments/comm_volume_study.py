@@ -23,8 +23,9 @@ What the count adds to the formula, each in its own column:
 
 * the step's statistics (``step_statistics``): the all-reduce issued inside ``engine.step()``, a
   small vector (the sum of squares for the global gradient norm, the non-finite flag, one entry
-  per parameter: did it get a gradient) that the formula does not count; none at Nd = 1. No
-  formula of the paper moves anything by all-reduce in the step, so this is read from the count;
+  per parameter: did it get a gradient, and a fingerprint of the hyper-parameters that every rank
+  must share) that the formula does not count; none at Nd = 1. No formula of the paper moves
+  anything by all-reduce in the step, so its size is read from the count, not from the engine;
 * padding: each flat group is padded to a multiple of Nd, so a reduce-scatter or all-gather call
   moves at most Nd - 1 elements more than its share of Ψ (``padding_bound``: calls × (Nd - 1)).
 
@@ -154,8 +155,9 @@ def write_report(out: Path, frame: pd.DataFrame, setup: Setup, meta: dict) -> No
         f"same in {int(frame.same_on_every_rank.sum())} of {len(frame)} rows.", "",
         "The paper (Sec 7.1-7.2): 2Ψ for stages 0-2, 3Ψ for stage 3. `excess` = total − formula; it is "
         "`explained` when it is the step's statistics all-reduce (`step_statistics`: the all-reduce counted "
-        "inside `engine.step()`, a small vector for the gradient norm, the overflow flag and which parameters "
-        "got gradients; none at world 1) plus at most `padding_bound` (each reduce-scatter or all-gather call "
+        "inside `engine.step()`, a small vector for the gradient norm, the overflow flag, which parameters "
+        "got gradients and the ranks' agreement on hyper-parameters; none at world 1) plus at most "
+        "`padding_bound` (each reduce-scatter or all-gather call "
         f"pads by fewer than Nd elements). Explained in {int(frame.explained.sum())} of {len(frame)} rows. "
         "`forward_backward` and `in_step`: the total split by when it moved.", "",
         markdown.table(table, cell, index=True), "",

@@ -384,7 +384,7 @@ def _headline(table1, fig1, bench, t2, runs) -> list[dict]:
     for _, r in t2[t2.paper_measured_b.notna()].iterrows():
         rows.append({"item": f"{r.case}: measured (B)", "paper": r.paper_measured_b, "ours": round(r.ours_b, 2),
                      "error": f"{r.error_pct:+.1f}% (at the chosen {frag:.0%} fragmentation)",
-                     "how": "search (analysis + chosen allowances, see the sensitivity below; states by engine at scale)"})
+                     "how": "search (analysis + chosen allowances, see their sensitivity; states by engine at scale)"})
     worst = runs.loc[runs.groupby(["collectives", "device", "world", "stage"]).peak_error_pct.apply(
         lambda e: e.abs().idxmax())]
     for _, r in worst.iterrows():

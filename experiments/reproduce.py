@@ -198,8 +198,9 @@ def _chosen_fragmentation() -> float:
 
 
 def _gpu_studies(out: Path) -> list[str]:
-    """Studies whose recorded hardware includes a GPU (meta.json or headline.json)."""
-    found = []
+    """Studies whose recorded hardware includes a GPU (meta.json or headline.json), and "gpu" when
+    experiments/gpu_check.sh has written results/gpu/*.csv."""
+    found = ["gpu"] if any((out / "gpu").glob("*.csv")) else []
     for folder in STUDIES:
         for name in ("meta.json", "headline.json"):
             path = out / folder / name
