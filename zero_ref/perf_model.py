@@ -27,7 +27,7 @@ FLOPs (``training_flops``) are counted as Megatron-LM counts them (Narayanan et 
 a block's forward is 24·t·h² + 4·t·s·h for t = batch·seq tokens (the GEMMs and attention's two
 batched products), the head's 2·t·h·V; backward is twice the forward; **checkpoint recomputation
 is counted** (one more forward of the blocks): 96·b·s·l·h²·(1 + s/6h + V/16lh) in all. The paper
-does not say how it counted (shared/paper: "How TFLOPS was counted"); recomputation is real work
+does not say how it counted (experiments/paper_data/zero-paper-facts.md: "How TFLOPS was counted"); recomputation is real work
 the GPU does, so we count it, and say so wherever a TFLOPS number appears.
 
 Each term's inputs are measured on the machine at hand (``experiments/throughput_study.py``:
