@@ -100,6 +100,18 @@ def _comm_volume(out: Path, quick: bool, quiet: bool) -> dict:
     return run_study(out, quick, quiet)
 
 
+def _walkthrough(out: Path, quick: bool, quiet: bool) -> dict:
+    from experiments.timeline import run
+
+    return run(out, quick, quiet)
+
+
+def _convergence(out: Path, quick: bool, quiet: bool) -> dict:
+    from experiments.convergence import run_study
+
+    return run_study(out, quick, quiet)
+
+
 def _zero_r(out: Path, quick: bool, quiet: bool) -> dict:
     from experiments.zero_r_study import run_study
 
@@ -144,6 +156,10 @@ STUDIES = {
                     _activations),
     "comm_volume": ("Elements moved per step by stage and world size (Sec 7), counted by wrapping "
                     "torch.distributed's collectives in real gloo runs", _comm_volume),
+    "walkthrough": ("The walkthrough's timelines: one traced step per stage (gathers, reductions, frees, bytes "
+                    "alive) beside the formulas; docs/", _walkthrough),
+    "convergence": ("Convergence on real text: stages 0-3 against DDP on the Python standard library's source, "
+                    "fp32 and bf16, with parameter groups and a warmup + cosine schedule", _convergence),
     "zero_r": ("ZeRO-R: partitioned activation checkpoints (Pa, Pa+cpu), Sec 6.1 and Sec 8", _zero_r),
     "fragmentation": ("Fragmentation measured (MD): Table 2, Fig 4 and Fig 6 searched again, Fig 7", _fragmentation),
     "throughput": ("Throughput: the performance model checked on timed runs, superlinear scaling at our scale, "
