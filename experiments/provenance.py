@@ -42,6 +42,10 @@ def hardware() -> dict:
 
 def command_line() -> str:
     """The command this process was started with, as a user would type it."""
+    original = getattr(sys, "orig_argv", [])
+    if "-m" in original[1:-1]:   # python -m package.module args: sys.argv[0] is the module's file
+        at = original.index("-m", 1)
+        return " ".join(["python -m", *original[at + 1:]])
     program = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("python")
     if program.suffix == ".py":
         try:

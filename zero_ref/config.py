@@ -30,7 +30,9 @@ class ZeroConfig:
         stage: 0 plain data parallel, 1 optimizer states sharded (Pos), 2 + gradients (Pos+g),
             3 + parameters (Pos+g+p).
         dtype: "fp32", "bf16" or "fp16": the dtype of parameters and gradients. The optimizer always
-            keeps fp32 master weights and moments (K = 12 bytes per parameter, as in the paper).
+            keeps fp32 master weights and moments (K = 12 bytes per parameter, as in the paper). The
+            masters start from the parameters after their cast to `dtype` (the model is converted
+            in place), not from the model's original fp32 values as torch.autocast training would.
         lr, betas, eps, weight_decay: AdamW hyper-parameters, with torch.optim.AdamW's semantics
             (weight decay is decoupled). They are the defaults of the parameter groups: a group
             passed to `initialize(..., param_groups=...)` may set its own, and a torch lr_scheduler
