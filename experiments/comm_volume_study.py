@@ -40,7 +40,6 @@ Outputs in ``--out`` (default ``results/comm_volume``): comm_volume.csv, REPORT.
 
 from __future__ import annotations
 
-import argparse
 import json
 import numbers
 from dataclasses import asdict, dataclass
@@ -49,7 +48,7 @@ from pathlib import Path
 import pandas as pd
 
 from experiments import markdown
-from experiments.provenance import ROOT, provenance
+from experiments.provenance import provenance, study_main
 from zero_ref import memory_model as mm
 
 WORLDS = (1, 2, 3, 4)
@@ -193,14 +192,7 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False, worlds=None) 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="world size 2 only")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "comm_volume")
-    parser.add_argument("--quiet", action="store_true")
-    args = parser.parse_args(argv)
-    result = run_study(args.out, args.quick, args.quiet)
-    print(f"wrote {args.out}/REPORT.md")
-    return result
+    return study_main(run_study, "comm_volume", __doc__.splitlines()[0], "world size 2 only", argv)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ Measured while building it (git 7ab98a3), since it decided the settings:
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
@@ -50,7 +49,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from experiments.provenance import ROOT, provenance
+from experiments.provenance import provenance, study_main
 
 MODEL = {"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 256, "n_positions": 128}
 OPTIM = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0}
@@ -413,14 +412,7 @@ def _cell(value) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "convergence")
-    parser.add_argument("--quick", action="store_true", help="fp32 only, 60 steps")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
-    result = run_study(args.out, args.quick, args.quiet)
-    print(f"wrote {args.out} in {result['meta']['seconds']:.0f} s")
-    return result
+    return study_main(run_study, "convergence", __doc__.splitlines()[0], "fp32 only, 60 steps", argv)
 
 
 if __name__ == "__main__":

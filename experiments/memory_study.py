@@ -20,7 +20,6 @@ figure1.png, max_model_vs_nd.png, real_runs.png, REPORT.md and meta.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from tqdm import tqdm
 from experiments import max_model_size as mms
 from experiments import memory_real_runs as real
 from experiments.paper_values import FIGURE1_GB, TABLE1_GB
-from experiments.provenance import ROOT, provenance
+from experiments.provenance import ROOT, provenance, study_main
 from zero_ref import memory_model as mm
 from zero_ref.at_scale import ModelShape, exact_shape, measure_at_scale
 
@@ -183,14 +182,7 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description="The ZeRO paper's memory and model-size studies.")
-    parser.add_argument("--quick", action="store_true", help="fewer extra cases and real runs (~1 minute)")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "memory")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    result = run_study(args.out, args.quick, args.quiet)
-    print(f"wrote {args.out}/REPORT.md")
-    return result
+    return study_main(run_study, "memory", "The ZeRO paper's memory and model-size studies.", "fewer extra cases and real runs (~1 minute)", argv)
 
 
 if __name__ == "__main__":

@@ -81,3 +81,18 @@ def _memory_gb() -> float | None:
     except OSError:
         pass
     return None
+
+
+def study_main(run_study, folder: str, description: str, quick_help: str, argv: list[str] | None = None) -> dict:
+    """The command line every study shares: ``--quick`` (``quick_help`` says what it drops),
+    ``--out`` (default ``results/<folder>``) and ``--quiet``; runs ``run_study(out, quick, quiet)``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / folder)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    result = run_study(args.out, args.quick, args.quiet)
+    print(f"wrote {args.out}/REPORT.md")
+    return result
