@@ -25,13 +25,15 @@ PAPER = Path(__file__).resolve().parents[1] / "experiments" / "paper_data"
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory) -> Path:
-    """`reproduce --quick` without comm_volume, whose quick run (ranks spawned) is
-    tests/test_comm_volume_study.py's: the same run twice would cost CI seconds for nothing."""
+    """`reproduce --quick` without the studies that spawn training ranks and have their own tests
+    (comm_volume: test_comm_volume_study, walkthrough: test_timeline, convergence:
+    test_convergence): the same runs twice would cost CI a minute for nothing."""
     from experiments.reproduce import FULL_ONLY, STUDIES, main
 
+    own_tests = {"comm_volume", "walkthrough", "convergence"}
     out = tmp_path_factory.mktemp("results")
     main(["--quick", "--quiet", "--out", str(out), "--only",
-          *[name for name in STUDIES if name not in FULL_ONLY and name != "comm_volume"]])
+          *[name for name in STUDIES if name not in FULL_ONLY and name not in own_tests]])
     return out
 
 
