@@ -23,14 +23,19 @@ from zero_ref.at_scale import ModelShape, exact_shape, measure_at_scale
 PAPER = Path(__file__).resolve().parents[1] / "experiments" / "paper_data"
 
 
+pytestmark = pytest.mark.timeout(600)   # the first test using `quick` also runs the studies
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory) -> Path:
     """`reproduce --quick` without the studies that spawn training ranks and have their own tests
     (comm_volume: test_comm_volume_study, walkthrough: test_timeline, convergence:
-    test_convergence): the same runs twice would cost CI a minute for nothing."""
+    test_convergence, scaling_curves: test_scaling_curves): the same runs twice would cost CI a
+    minute for nothing. What is left (memory, activations, zero_r, fragmentation) takes about
+    270 s on 2 quiet cores, hence this module's longer timeout."""
     from experiments.reproduce import FULL_ONLY, STUDIES, main
 
-    own_tests = {"comm_volume", "walkthrough", "convergence"}
+    own_tests = {"comm_volume", "walkthrough", "convergence", "scaling_curves"}
     out = tmp_path_factory.mktemp("results")
     main(["--quick", "--quiet", "--out", str(out), "--only",
           *[name for name in STUDIES if name not in FULL_ONLY and name not in own_tests]])

@@ -18,7 +18,7 @@ def _error(state, ref):
     return max((state[k] - ref[k]).abs().max().item() for k in ref)
 
 
-@pytest.mark.parametrize("world_size", [1, 3])   # world 2: the next tests
+@pytest.mark.parametrize("world_size", [3])   # an odd world size; world 2: test_convergence, exact vs DDP with groups
 def test_groups_and_schedule_match_torch_and_resume_exactly(world_size, tmp_path):
     batches = global_batches(STEPS, 1, 12)
     ref_state, ref_losses, ref_lrs = reference(batches)
