@@ -261,10 +261,8 @@ class ZeroEngine:
         # hyper-parameters' agreement fingerprint], summed over the ranks in one small all-reduce
         # (gradients replicated on every rank, stage 0: only rank 0's sum of squares and flag enter
         # the sum), then read on the host: the step's one sync.
-        agree = torch.tensor(agreement_stats(hyper), dtype=torch.float32)
-        agree = agree.pin_memory().to(stage.device, non_blocking=True) if stage.device.type == "cuda" \
-            else agree.to(stage.device)
-        stats = torch.cat([optimizer.grad_stats(grads), stage.used_mask(), agree])
+        agree = agreement_stats(hyper)
+        stats = torch.cat([optimizer.grad_stats(grads), stage.used_mask(agree)])
         if self.mp_comm is not None:
             stats[0] -= self._replicated_share(optimizer.grad_stats(self._replicated_pieces(grads))[0])
         self._sum_stats(stats)

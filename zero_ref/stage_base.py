@@ -113,10 +113,11 @@ class Stage:
     def mark_used(self, param: nn.Parameter) -> None:
         self.used[self.index[id(param)]] = 1
 
-    def used_mask(self) -> torch.Tensor:
-        """1.0 for each trainable parameter that got a gradient on this rank since the last step (on
-        CUDA copied from pinned memory, so that the copy does not stop the host)."""
-        mask = torch.tensor(list(self.used), dtype=torch.float32)
+    def used_mask(self, extra: list[float] = ()) -> torch.Tensor:
+        """1.0 for each trainable parameter that got a gradient on this rank since the last step,
+        followed by `extra` host values, in one copy to the device (on CUDA from pinned memory, so
+        that the copy does not stop the host)."""
+        mask = torch.tensor([*self.used, *extra], dtype=torch.float32)
         if self.device.type == "cuda":
             return mask.pin_memory().to(self.device, non_blocking=True)
         return mask.to(self.device)
