@@ -2,6 +2,8 @@
 AdamW with the same groups and torch's LambdaLR at every stage and world sizes 1-3, saved and
 restored by checkpoints (into another stage), and refused clearly when they are wrong."""
 
+import tempfile
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +12,7 @@ import zero_ref
 from awkward import AwkwardNet, global_batches
 from schedules import SAVE_AT, STEPS, disagreement_run, engine_run, groups_of, reference
 from zero_ref.launch import spawn
+from zero_ref.manifest import CheckpointError
 
 TOL = 1e-5   # fp32 round-off of sharded sums over 12 steps, as in test_engine_exact
 
@@ -98,6 +101,14 @@ def _world1(rank, world_size, batches):
         engine.backward(loss_fn(engine(tokens), tokens))
         engine.step()
     messages["plain_state"] = engine.full_state_dict()
+    with tempfile.TemporaryDirectory() as folder:   # a scheduler of another kind is refused on load
+        engine.save_checkpoint(folder, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1.0))
+        other = zero_ref.initialize(AwkwardNet(), zero_ref.ZeroConfig(stage=3, lr=1e-2, kernels="torch"))
+        try:
+            other.load_checkpoint(folder, lr_scheduler=torch.optim.lr_scheduler.StepLR(other.optimizer, 3))
+            messages["other_scheduler"] = None
+        except CheckpointError as err:
+            messages["other_scheduler"] = str(err)
     return messages
 
 
@@ -116,3 +127,4 @@ def test_bad_groups_are_refused_with_the_reason(world1):
     assert "no closure" in m["closure"]
     assert m["is_optimizer"]
     assert groups_of(AwkwardNet())   # the groups used above are not empty
+    assert "does not fit StepLR" in m["other_scheduler"] and "lr_lambdas" in m["other_scheduler"]

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .config import DTYPES
+from .param_groups import check_hyper
 
 FORMAT_VERSION = 2
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -152,7 +153,7 @@ def validate_manifest(m: dict) -> None:
     listed = [name for g in groups for name in g.get("params", ())] if isinstance(groups, list) and all(
         isinstance(g, dict) for g in groups) else None
     need(groups is None or (listed is not None and sorted(listed) == sorted(numels) and all(
-        isinstance(g["hyper"], dict) for g in groups)), "param_groups")
+        isinstance(g.get("hyper"), dict) and _valid_hyper(g["hyper"]) for g in groups)), "param_groups")
     need(isinstance(m.get("lr_scheduler"), (dict, type(None))), "lr_scheduler")
     files = m.get("files")
     need(isinstance(files, list) and len(files) == m["world_size"], "files")
@@ -197,6 +198,15 @@ def check_matches_model(manifest: dict, engine, names: dict[int, str]) -> None:
                                   f"{ours[first] if first < len(ours) else None}")
 
 
+def _valid_hyper(hyper: dict) -> bool:
+    """Whether a saved group's hyper-parameters are values a group may hold (param_groups.check_hyper)."""
+    try:
+        check_hyper("hyper", hyper)
+    except (ValueError, TypeError, KeyError):
+        return False
+    return True
+
+
 def check_groups_match(manifest: dict, engine, names: dict[int, str], lr_scheduler) -> None:
     """Raise CheckpointError when the checkpoint's parameter groups are not the engine's (the same
     parameters in the same groups), or a scheduler is to be restored from a checkpoint without one."""
@@ -211,6 +221,12 @@ def check_groups_match(manifest: dict, engine, names: dict[int, str], lr_schedul
     if lr_scheduler is not None and manifest.get("lr_scheduler") is None:
         raise CheckpointError("an lr scheduler was passed to load_checkpoint, but this checkpoint holds none "
                               "(pass it to save_checkpoint too)")
+    if lr_scheduler is not None:   # the same kind of scheduler: the same entries, each of the same type
+        ours, theirs = lr_scheduler.state_dict(), manifest["lr_scheduler"]
+        differ = sorted(set(ours) ^ set(theirs)) or [k for k in ours if type(ours[k]) is not type(theirs[k])]
+        if differ:
+            raise CheckpointError(f"the checkpoint's lr scheduler state does not fit {type(lr_scheduler).__name__}: "
+                                  f"entries {differ[:5]} are missing, extra or of another type")
 
 
 def restore_groups(manifest: dict, engine, lr_scheduler) -> None:
