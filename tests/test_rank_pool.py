@@ -1,12 +1,14 @@
-"""RankPool: ranks that stay alive between calls, and never hang the caller when one fails."""
+"""RankPool: ranks that stay alive between calls, and never hang the caller when one fails; and
+what every launch (spawn or RankPool) gives its ranks."""
 
+import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from zero_ref.launch import RankError, RankPool
+from zero_ref.launch import RankError, RankPool, spawn
 
 
 class Counter:
@@ -28,6 +30,28 @@ class Counter:
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
+
+
+    def environment(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+
+def _environment(rank: int, world_size: int, name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_ranks_see_the_callers_environment_as_it_is_at_each_launch(monkeypatch):
+    """Ranks are forked from a server started at the first launch; a variable set or removed
+    after that still reaches (or leaves) the ranks of every later spawn and pool."""
+    name = "ZERO_REF_TEST_PROBE"
+    monkeypatch.delenv(name, raising=False)
+    assert spawn(_environment, 1, name) == [None]           # the server exists from here on
+    monkeypatch.setenv(name, "set after the first launch")
+    assert spawn(_environment, 2, name) == ["set after the first launch"] * 2
+    with RankPool(2, Counter, 0) as pool:
+        assert pool.call("environment", name) == ["set after the first launch"] * 2
+    monkeypatch.delenv(name)
+    assert spawn(_environment, 2, name) == [None] * 2
 
 
 def test_state_is_kept_between_calls_and_a_failing_rank_raises_everywhere_at_once():

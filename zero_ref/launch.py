@@ -1,15 +1,23 @@
 """Start N ranks on this machine and run a function in each (for the CLI, tests and experiments).
 
-`spawn` starts `world_size` fresh processes (the "spawn" start method: no inherited threads or
-CUDA state), joins them into one process group on 127.0.0.1 with a free port, runs
-`fn(rank, world_size, *args)` in each and returns every rank's (picklable) result. A rank that
-raises makes `spawn` raise with that rank's traceback; ranks that do not finish within `timeout`
-seconds are killed and `spawn` raises TimeoutError, so a hang never outlives its budget.
-Under torchrun use `init_from_env` instead: the launcher has already started the processes.
+`spawn` starts `world_size` new processes, joins them into one process group on 127.0.0.1 with a
+free port, runs `fn(rank, world_size, *args)` in each and returns every rank's (picklable)
+result. A rank that raises makes `spawn` raise with that rank's traceback; ranks that do not
+finish within `timeout` seconds are killed and `spawn` raises TimeoutError, so a hang never
+outlives its budget. Under torchrun use `init_from_env` instead: the launcher has already started
+the processes.
 
 `RankPool` keeps its ranks alive between calls: each rank builds an object once, then runs that
 object's methods when told, so a benchmark can interleave several systems step by step (or keep
 several process groups, one per peer, alive side by side) without paying start-up every time.
+
+Ranks are forked from a *fork server* (multiprocessing's "forkserver" start method; "spawn" where
+the platform has none) that has imported torch once: a rank starts in about 0.1 s instead of the
+2-3 s a fresh interpreter needs to import torch, and it still inherits no threads and no CUDA state
+from the caller (the server never touches CUDA). The server starts with the caller's environment at
+the first launch; each rank then takes the caller's environment as it is at its own launch
+(`_adopt_environment`), so only what torch reads while it is imported (OMP_NUM_THREADS, TORCH_LOGS)
+keeps the first launch's value.
 """
 
 from __future__ import annotations
@@ -52,6 +60,25 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
+START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+"""How ranks are started (see the module docstring)."""
+
+
+def _context():
+    """The multiprocessing context ranks start from; its fork server, if any, preloads torch."""
+    if START_METHOD == "forkserver":
+        mp.set_forkserver_preload(["torch"])   # takes effect when the server first starts
+    return mp.get_context(START_METHOD)
+
+
+def _adopt_environment(environ: dict[str, str]) -> None:
+    """Make this rank's environment the caller's at launch (a forked rank starts with the fork
+    server's, which is the caller's at its first launch)."""
+    for key in set(os.environ) - set(environ):
+        del os.environ[key]
+    os.environ.update(environ)
+
+
 def _join_group(rank: int, world_size: int, port: int, backend: str, collective_timeout_s: float) -> None:
     """What torchrun would do for this rank: its environment, its threads, the process group."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -64,7 +91,8 @@ def _join_group(rank: int, world_size: int, port: int, backend: str, collective_
 
 
 def _rank_main(rank: int, fn: Callable, world_size: int, port: int, result_dir: str, backend: str,
-               collective_timeout_s: float, args: tuple) -> None:
+               collective_timeout_s: float, environ: dict[str, str], args: tuple) -> None:
+    _adopt_environment(environ)
     _join_group(rank, world_size, port, backend, collective_timeout_s)
     try:
         result = fn(rank, world_size, *args)
@@ -81,9 +109,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     with tempfile.TemporaryDirectory(prefix="zero_ref_spawn_") as result_dir:
+        _context()
         context = mp.start_processes(
-            _rank_main, args=(fn, world_size, free_port(), result_dir, backend, collective_timeout_s, args),
-            nprocs=world_size, join=False, start_method="spawn")
+            _rank_main,
+            args=(fn, world_size, free_port(), result_dir, backend, collective_timeout_s, dict(os.environ), args),
+            nprocs=world_size, join=False, start_method=START_METHOD)
         deadline = time.monotonic() + timeout
         while not context.join(timeout=1.0):
             if time.monotonic() > deadline:
@@ -103,9 +133,10 @@ class RankError(RuntimeError):
 
 
 def _pool_rank(rank: int, world_size: int, port: int, backend: str, collective_timeout_s: float, conn,
-               factory: Callable, args: tuple) -> None:
+               environ: dict[str, str], factory: Callable, args: tuple) -> None:
     """One rank of a RankPool: build the object, then serve method calls until told to stop."""
     try:
+        _adopt_environment(environ)
         _join_group(rank, world_size, port, backend, collective_timeout_s)
         target = factory(rank, world_size, *args)
         conn.send(("ok", None))
@@ -138,14 +169,14 @@ class RankPool:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size, self.timeout_s = world_size, timeout_s
-        context = mp.get_context("spawn")
+        context = _context()
         port = free_port()
         self._conns, self._processes = [], []
         for rank in range(world_size):
             ours, theirs = context.Pipe()
             process = context.Process(target=_pool_rank, daemon=True, name=f"zero_ref-pool-rank{rank}",
                                       args=(rank, world_size, port, backend, collective_timeout_s, theirs,
-                                            factory, args))
+                                            dict(os.environ), factory, args))
             process.start()
             theirs.close()
             self._conns.append(ours)
