@@ -31,13 +31,14 @@ def quick(tmp_path_factory) -> Path:
     """`reproduce --quick` without the studies that spawn training ranks and have their own tests
     (comm_volume: test_comm_volume_study, walkthrough: test_timeline, convergence:
     test_convergence, scaling_curves: test_scaling_curves): the same runs twice would cost CI a
-    minute for nothing. What is left (memory, activations, zero_r, fragmentation) takes about
-    270 s on 2 quiet cores, hence this module's longer timeout."""
+    minute for nothing. What is left (memory, activations, zero_r, fragmentation) runs two
+    studies at a time, as `--jobs 2` does for users: about 220 s on 2 quiet cores instead of 290 s
+    one by one, hence this module's longer timeout."""
     from experiments.reproduce import FULL_ONLY, STUDIES, main
 
     own_tests = {"comm_volume", "walkthrough", "convergence", "scaling_curves"}
     out = tmp_path_factory.mktemp("results")
-    main(["--quick", "--quiet", "--out", str(out), "--only",
+    main(["--quick", "--quiet", "--jobs", "2", "--out", str(out), "--only",
           *[name for name in STUDIES if name not in FULL_ONLY and name not in own_tests]])
     return out
 
@@ -275,3 +276,17 @@ def test_fragmentation_measured_and_searched_again(quick):
     assert len(traces) == 5 and set(traces[traces["round"] == 2].md) == {True, False}
     assert (traces.min_capacity_gb >= traces.peak_requested_gb).all()
     assert (traces.min_capacity_gb <= traces.peak_reserved_gb + 1e-9).all()
+
+
+def test_a_study_that_fails_in_its_own_process_is_named(tmp_path):
+    """With --jobs, a study's failure in its worker process reaches the caller naming the study
+    (here its results folder cannot be made: `out` is a file) and the timed studies, which would
+    run after it, do not start; --jobs below 1 is refused."""
+    from experiments.reproduce import main, run_studies
+
+    out = tmp_path / "a_file"
+    out.write_text("not a folder")
+    with pytest.raises(RuntimeError, match="study activations failed"):
+        run_studies(["activations", "walkthrough"], out, quick=True, quiet=True, jobs=2)
+    with pytest.raises(SystemExit):
+        main(["--jobs", "0", "--out", str(tmp_path)])
