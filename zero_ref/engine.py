@@ -28,7 +28,8 @@ sharded and what moves. The step contract:
                              clip, fused AdamW on this rank's segments of the parameters that got
                              a gradient, regather, clear gradients. True when the parameters changed.
 
-Phases are labelled for torch.profiler (record_function): "zero_ref.forward", "zero_ref.backward",
+Phases are labelled for torch.profiler (record_function, made only while a profiler records:
+comm.label): "zero_ref.forward", "zero_ref.backward",
 "zero_ref.optimizer", "zero_ref.after_update" (the regather of stages 1-2) and, in comm.py,
 "zero_ref.wait <kind>" wherever the host waits for a collective, so a profile splits a step into
 compute and communication waits (experiments/throughput.py).
@@ -52,12 +53,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_map
 
 from . import activations, checkpoint, materialize, tensor_parallel
 from .param_groups import ZeroOptimizer, agreement, agreement_stats, build_groups
-from .comm import Comm, CommLedger
+from .comm import Comm, CommLedger, label
 from .config import ZeroConfig
 from .precision import LossScaler
 from .stage0 import Stage0
@@ -205,7 +205,7 @@ class ZeroEngine:
                 self.comm.broadcast(buffer.data, 0)
         cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         args, kwargs = tree_map(cast, (args, kwargs))
-        with record_function("zero_ref.forward"), self.stage.forward_context():
+        with label("zero_ref.forward"), self.stage.forward_context():
             return self.module(*args, **kwargs)
 
     forward = __call__
@@ -228,7 +228,7 @@ class ZeroEngine:
         stage = self.stage
         stage.in_backward = True
         try:
-            with record_function("zero_ref.backward"):
+            with label("zero_ref.backward"):
                 stage.begin_backward(boundary)
                 with stage.backward_context():
                     (loss * (self.scaler.scale / self.config.grad_accum_steps)).backward()
@@ -292,10 +292,10 @@ class ZeroEngine:
         if self.config.grad_clip is not None:
             norm = math.sqrt(sum_sq) / self.scaler.scale
             grad_scale *= min(1.0, self.config.grad_clip / (norm + 1e-6))
-        with record_function("zero_ref.optimizer"):
+        with label("zero_ref.optimizer"):
             optimizer.step(grads, grad_scale, [u > 0 for u in used], self.optimizer.group_of, hyper,
                            stage.segment_updated)
-        with record_function("zero_ref.after_update"):
+        with label("zero_ref.after_update"):
             stage.after_update()
         self._clear_step()
         self.scaler.update(found_overflow=False, step=self.global_step + self._skipped_steps + 1)
