@@ -50,6 +50,10 @@ def test_the_gate_fails_a_slowed_engine_and_any_change_of_bytes_or_elements():
     assert after["bytes_per_rank"] == before["bytes_per_rank"]             # the sleep moved nothing
     grown = dict(after, bytes_per_rank=dict(after["bytes_per_rank"], grads=after["bytes_per_rank"]["grads"] + 4))
     assert any("bytes per rank changed" in f for f in gate(before, grown))
+    assert after["bytes_timing_dependent"] == []                           # stage 2 blocks: exact
+    more_buckets = dict(before["bytes_per_rank"], comm_buffers=before["bytes_per_rank"]["comm_buffers"] + 4)
+    loose = dict(before, bytes_per_rank=more_buckets, bytes_timing_dependent=["comm_buffers", "total"])
+    assert gate(before, loose) == [] and gate(before, dict(loose, bytes_timing_dependent=[]))
     other = dict(before, world_size=2)
     assert gate(other, before)[0].startswith("not the same benchmark")
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -113,19 +114,48 @@ class CollectiveError(RuntimeError):
 class Pending:
     """A collective in flight. `wait()` blocks the host at most `timeout_s` seconds (gloo) or, with
     `timeout_s=None` (NCCL), only makes the current CUDA stream wait; a failure becomes a
-    CollectiveError naming the collective."""
+    CollectiveError naming the collective.
+
+    `done()` asks the backend whether the collective has finished, without blocking. gloo's
+    reduce-scatter never says so until someone waits for it (its `Work.is_completed()` stays False,
+    measured on torch 2.13, though the data arrives), so a caller that must poll it calls
+    `watch()` first: a background thread then waits, and `done()` turns True when that wait returns.
+    """
 
     def __init__(self, work, what: str, rank: int, timeout_s: float | None, on_failure=None, seq: int | None = None):
         self.work, self.what, self.rank, self.timeout_s = work, what, rank, timeout_s
         self.on_failure = on_failure
         self.seq = seq   # the collective's number on its Comm (pairs the wait with the issue in a trace)
+        self._watcher: threading.Thread | None = None
+        self._watch_error: BaseException | None = None
+
+    def watch(self) -> "Pending":
+        """Have a background thread wait for the collective, so that `done()` can tell when it has
+        finished on a backend that does not report it (host waits only: NCCL's are stream waits)."""
+        if self._watcher is None and self.timeout_s is not None:
+            self._watcher = threading.Thread(target=self._wait_in_background, daemon=True,
+                                             name=f"zero_ref wait {self.what.split()[0]}")
+            self._watcher.start()
+        return self
+
+    def _wait_in_background(self) -> None:
+        try:
+            self.work.wait(timedelta(seconds=self.timeout_s))
+        except BaseException as err:   # reported by wait(), on the caller's thread
+            self._watch_error = err
 
     def wait(self) -> None:
         # the label lets a profiler tell time spent waiting on communication, by kind, from compute
         # (experiments/throughput.py splits a step into phases with it)
         try:
             with label("zero_ref.wait", self.what.split()[0], *(() if self.seq is None else (f"#{self.seq}",))):
-                if self.timeout_s is None:
+                if self._watcher is not None:
+                    self._watcher.join(self.timeout_s)
+                    if self._watcher.is_alive():
+                        raise RuntimeError(f"no result after {self.timeout_s:g} s")
+                    if self._watch_error is not None:
+                        raise self._watch_error
+                elif self.timeout_s is None:
                     self.work.wait()
                 else:
                     self.work.wait(timedelta(seconds=self.timeout_s))
@@ -138,7 +168,9 @@ class Pending:
                 f"raised, or diverged ({str(err).splitlines()[0][:300]})") from err
 
     def done(self) -> bool:
-        """True once the collective has finished (never blocks)."""
+        """True once the collective has finished (never blocks); see `watch`."""
+        if self._watcher is not None:
+            return not self._watcher.is_alive()
         return self.work.is_completed()
 
 

@@ -155,7 +155,9 @@ class ShardedGradBuckets:
     and the bucket goes back to the pool. With `may_block`, at most `max_in_flight` reductions run
     while backward goes on (older ones are waited for); without it (stage 3 on gloo, where a host
     wait could deadlock against a peer that first needs a parameter gather from this rank) finished
-    reductions are harvested as gradients arrive (`harvest`), and `drain()` waits for the rest.
+    reductions are harvested as gradients arrive (`harvest`: a background thread waits for each,
+    since gloo tells no one else that a reduce-scatter is done), and `drain()` waits for the rest.
+    Without blocking, how many buckets exist at once depends on how fast the reductions finish.
     """
 
     def __init__(self, comm, groups: Sequence[FlatGroup], grad_shards: list[torch.Tensor], dtype: torch.dtype,
@@ -204,6 +206,8 @@ class ShardedGradBuckets:
             while len(self.in_flight) > self.max_in_flight:
                 self._finish_oldest()
         else:
+            if pending is not None:
+                pending.watch()   # gloo's reduce-scatter reports completion only to a waiter
             self.harvest()
 
     def harvest(self) -> None:
