@@ -117,8 +117,7 @@ class BenchRank:
             memory = {"params": params, "grads": params, "optimizer_states": moments,
                       "total": 2 * params + moments}
         else:
-            engine = self.systems[name].engine
-            memory = {k: v for k, v in engine.memory_report().items()
+            memory = {k: v for k, v in self.systems[name].engine.memory_report().items()
                       if k in ("params", "grads", "optimizer_states", "buffers", "comm_buffers", "total")}
         diffs = [abs(a - b) for a, b in zip(self.losses[name], self.losses["ddp"])]
         return {"bytes": memory, "bytes_timing_dependent": _timing_dependent(self.systems[name]),

@@ -109,7 +109,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     with tempfile.TemporaryDirectory(prefix="zero_ref_spawn_") as result_dir:
-        _context()
+        _context()   # for its fork server's preload: start_processes takes the method by name
         context = mp.start_processes(
             _rank_main,
             args=(fn, world_size, free_port(), result_dir, backend, collective_timeout_s, dict(os.environ), args),
