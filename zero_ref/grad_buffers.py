@@ -1,8 +1,9 @@
 """Where gradients live while they are accumulated and reduced.
 
 `FullGradBuffer` (stages 0 and 1): one flat buffer of the whole model, alive for the whole run.
-`ShardedGradBuckets` (stages 2 and 3): constant-size buckets taken from a `BucketPool` while a group
-fills and reduces, then given back; only this rank's reduced shard stays.
+`ShardedGradBuckets` (stages 2 and 3): buffers of at most one bucket taken from a `BucketPool`
+while a group fills and reduces, then given back (a larger group is reduced in bucket-size
+pieces); only this rank's reduced shard stays.
 
 In both, a parameter's `.grad` is a view of its range in the buffer whenever the buffer has the
 parameter's dtype, so autograd accumulates straight into it: no per-parameter copy, no allocation
@@ -21,6 +22,7 @@ back.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from typing import Callable, Sequence
 
@@ -116,23 +118,26 @@ class FullGradBuffer:
 class BucketPool:
     """Bucket buffers reused across groups and backwards (the paper's constant-size buffers, CB).
 
-    `take(n)` returns a zeroed buffer of n elements, reusing a free one that is large enough (after
-    the stream that last used it has finished with it) or allocating one; `give` returns it.
+    Every buffer has the same `buffer_numel` elements, so any free one serves any request and the
+    pool holds exactly as many as were ever in use at once. `take(n)` returns a zeroed view of n
+    elements of a free buffer (once the stream that last used it has finished with it) or of a new
+    one; `give` returns it.
     """
 
-    def __init__(self, dtype: torch.dtype, device: torch.device):
-        self.dtype, self.device = dtype, device
+    def __init__(self, buffer_numel: int, dtype: torch.dtype, device: torch.device):
+        self.buffer_numel, self.dtype, self.device = buffer_numel, dtype, device
         self.buffers: list[torch.Tensor] = []
         self.free: list[tuple[torch.Tensor, object]] = []   # (buffer, event of its last use or None)
 
     def take(self, numel: int) -> torch.Tensor:
-        fits = [k for k, (buffer, _) in enumerate(self.free) if buffer.numel() >= numel]
-        if fits:
-            buffer, event = self.free.pop(min(fits, key=lambda k: self.free[k][0].numel()))
+        if numel > self.buffer_numel:
+            raise ValueError(f"a bucket of {numel} elements does not fit the pool's {self.buffer_numel}")
+        if self.free:
+            buffer, event = self.free.pop()
             if event is not None:
                 torch.cuda.current_stream(self.device).wait_event(event)
         else:
-            buffer = torch.empty(numel, dtype=self.dtype, device=self.device)
+            buffer = torch.empty(self.buffer_numel, dtype=self.dtype, device=self.device)
             self.buffers.append(buffer)
         return buffer[:numel].zero_()
 
@@ -141,33 +146,44 @@ class BucketPool:
         buffer = next(b for b in self.buffers if b.untyped_storage()._cdata == storage)
         self.free.append((buffer, event))
 
-    def clear(self) -> None:
-        """Drop every buffer (all must have been given back)."""
-        self.buffers, self.free = [], []
-
 
 class ShardedGradBuckets:
     """Gradient buckets that exist only while a group fills and reduces (stages 2 and 3).
 
-    `bind(g)` (before-hook) takes group g's bucket from the pool and points the group's `.grad` at
-    it; `add` (after-hook) makes sure a gradient is in its bucket. `reduce_scatter(g)` averages the
-    bucket over the ranks in place; once that is done, chunk `rank` is added into `grad_shards[g]`
-    and the bucket goes back to the pool. With `may_block`, at most `max_in_flight` reductions run
-    while backward goes on (older ones are waited for); without it (stage 3 on gloo, where a host
-    wait could deadlock against a peer that first needs a parameter gather from this rank) finished
-    reductions are harvested as gradients arrive (`harvest`: a background thread waits for each,
-    since gloo tells no one else that a reduce-scatter is done), and `drain()` waits for the rest.
-    Without blocking, how many buckets exist at once depends on how fast the reductions finish.
+    Every buffer is at most `piece_numel` elements (rounded up to a multiple of Nd): the paper's
+    constant-size buffers, whatever the size of a group.
+    - A group that fits is one bucket: `bind(g)` (before-hook) takes it from the pool and points the
+      group's `.grad` at it, so autograd accumulates there; `add` (after-hook) makes sure a gradient
+      is in it. `reduce_scatter(g)` averages it over the ranks in place.
+    - A larger group (stage 3's units, a big embedding at stage 2) is reduced in pieces: autograd
+      keeps each parameter's gradient (`add` holds on to it) and `reduce_scatter(g)` copies columns
+      [lo, lo + w) of every rank's shard into one buffer of Nd * w elements and reduce-scatters that,
+      piece after piece; the gradients are dropped once copied.
+    Once a reduction is done, this rank's chunk is added into `grad_shards[g]` and the buffer goes
+    back to the pool. With `may_block`, at most `max_in_flight` reductions run while backward goes on
+    (older ones are waited for; by default one reduces while the next buffer fills: two buffers); without it (stage 3 on gloo, where a host wait could deadlock
+    against a peer that first needs a parameter gather from this rank) finished reductions are
+    harvested as gradients arrive (`harvest`: a background thread waits for each, since gloo tells
+    no one else that a reduce-scatter is done), and `drain()` waits for the rest. Without blocking,
+    how many buffers exist at once depends on how fast the reductions finish.
     """
 
     def __init__(self, comm, groups: Sequence[FlatGroup], grad_shards: list[torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, overlap: bool, may_block: bool = True, max_in_flight: int = 2):
+                 device: torch.device, overlap: bool, piece_numel: int, may_block: bool = True,
+                 max_in_flight: int = 1):
         self.comm, self.groups, self.grad_shards = comm, groups, grad_shards
-        self.pool = BucketPool(dtype, device)
+        self.piece_width = max(1, -(-piece_numel // comm.world_size))   # columns of each shard per piece
+        largest = max((group.padded_numel for group in groups), default=0)
+        self.pool = BucketPool(min(largest, self.piece_width * comm.world_size), dtype, device)
         self.overlap, self.may_block = overlap, may_block
         self.max_in_flight = max_in_flight if overlap else 0
-        self.filling: dict[int, torch.Tensor] = {}   # group -> its bucket while gradients arrive
-        self.in_flight: deque = deque()              # (group, bucket, pending reduce-scatter)
+        self.filling: dict[int, torch.Tensor] = {}            # group -> its bucket while gradients arrive
+        self.held: dict[int, dict[int, torch.Tensor]] = {}    # group in pieces -> {param index: gradient}
+        self.in_flight: deque = deque()   # (group, first column, buffer, pending reduce-scatter)
+
+    def in_pieces(self, g: int) -> bool:
+        """Is group g larger than one buffer, so that it is reduced piece by piece?"""
+        return self.groups[g].shard_numel > self.piece_width
 
     def _bucket(self, g: int) -> torch.Tensor:
         if g not in self.filling:
@@ -176,8 +192,9 @@ class ShardedGradBuckets:
         return self.filling[g]
 
     def bind(self, g: int) -> None:
-        """Before-hook body: point group g's `.grad` at its bucket, so autograd accumulates there."""
-        if g in self.filling:
+        """Before-hook body: point group g's `.grad` at its bucket, so autograd accumulates there
+        (a group reduced in pieces has no bucket: autograd allocates its gradients)."""
+        if g in self.filling or self.in_pieces(g):
             return
         bucket = self._bucket(g)
         for param, start, end in self.groups[g].param_ranges():
@@ -185,23 +202,58 @@ class ShardedGradBuckets:
                 param.grad = bucket[start:end].view(param.shape)
 
     def add(self, g: int, i: int, param: nn.Parameter) -> None:
-        """After-hook body: make sure param i's gradient is in group g's bucket; drop `.grad`."""
-        start = self.groups[g].offsets[i]
-        view = self._bucket(g)[start:start + param.numel()]
-        if not _points_at(param, view):
-            view.add_(param.grad.reshape(-1))
+        """After-hook body: make sure param i's gradient is in group g's bucket (or, for a group in
+        pieces, held until the group is reduced); drop `.grad`."""
+        if self.in_pieces(g):
+            self.held.setdefault(g, {})[i] = param.grad
+        else:
+            start = self.groups[g].offsets[i]
+            view = self._bucket(g)[start:start + param.numel()]
+            if not _points_at(param, view):
+                view.add_(param.grad.reshape(-1))
         param.grad = None
 
     def reduce_scatter(self, g: int) -> None:
         """Launch group g's reduction (a group with no gradient this time reduces zeros)."""
-        bucket = self._bucket(g)
-        del self.filling[g]
         for param in self.groups[g].params:   # nothing may write into the bucket any more
             param.grad = None
-        lo, hi = self.groups[g].shard_range(self.comm.rank)
+        if not self.in_pieces(g):
+            bucket = self._bucket(g)
+            del self.filling[g]
+            self._launch(g, 0, bucket)
+            return
+        held, shard_numel = self.held.pop(g, {}), self.groups[g].shard_numel
+        for lo in range(0, shard_numel, self.piece_width):
+            width = min(self.piece_width, shard_numel - lo)
+            with label("zero_ref::take bucket", g):
+                piece = self.pool.take(width * self.comm.world_size)
+            self._fill(g, held, lo, piece.view(self.comm.world_size, width))
+            self._launch(g, lo, piece)
+
+    def _fill(self, g: int, held: dict[int, torch.Tensor], lo: int, piece: torch.Tensor) -> None:
+        """Copy columns [lo, lo + width) of every rank's shard of group g's gradients into `piece`
+        (one row per rank); what no held gradient covers (padding, unused parameters) stays zero."""
+        group, width = self.groups[g], piece.shape[1]
+        offsets = group.offsets
+        for rank, row in enumerate(piece):
+            first = rank * group.shard_numel + lo          # the row's range in the group's flat buffer
+            last = first + width
+            i = max(bisect.bisect_right(offsets, first) - 1, 0)
+            while i < len(offsets) and offsets[i] < last:
+                grad = held.get(i)
+                if grad is not None:
+                    start = offsets[i]
+                    a, b = max(first, start), min(last, start + grad.numel())
+                    if a < b:
+                        row[a - first:b - first].copy_(grad.reshape(-1)[a - start:b - start])
+                i += 1
+
+    def _launch(self, g: int, lo: int, buffer: torch.Tensor) -> None:
+        width = buffer.numel() // self.comm.world_size
+        own = buffer[self.comm.rank * width:(self.comm.rank + 1) * width]
         with label("zero_ref::reduce bucket", g), self.comm.reduce_stream.after_current():
-            pending = self.comm.reduce_scatter(bucket[lo:hi], bucket, async_op=self.overlap)
-        self.in_flight.append((g, bucket, pending))
+            pending = self.comm.reduce_scatter(own, buffer, async_op=self.overlap)
+        self.in_flight.append((g, lo, buffer, pending))
         if self.may_block:
             while len(self.in_flight) > self.max_in_flight:
                 self._finish_oldest()
@@ -212,17 +264,17 @@ class ShardedGradBuckets:
 
     def harvest(self) -> None:
         """Finish the reductions that are already complete, oldest first (never blocks)."""
-        while self.in_flight and (self.in_flight[0][2] is None or self.in_flight[0][2].done()):
+        while self.in_flight and (self.in_flight[0][3] is None or self.in_flight[0][3].done()):
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        g, bucket, pending = self.in_flight.popleft()
+        g, lo, buffer, pending = self.in_flight.popleft()
         with label("zero_ref::reduced bucket", g), self.comm.reduce_stream.on():
             if pending is not None:
                 pending.wait()
-            lo, hi = self.groups[g].shard_range(self.comm.rank)
-            self.grad_shards[g].add_(bucket[lo:hi])
-            self.pool.give(bucket, self.comm.reduce_stream.record_event())
+            width = buffer.numel() // self.comm.world_size
+            self.grad_shards[g][lo:lo + width].add_(buffer[self.comm.rank * width:(self.comm.rank + 1) * width])
+            self.pool.give(buffer, self.comm.reduce_stream.record_event())
 
     def drain(self) -> None:
         """Finish every reduction in flight; the compute stream then sees the reduced shards."""

@@ -17,8 +17,9 @@ Communicated, per micro-batch (paper Sec 7.2.2):
    is kept until the forward ends);
 2. backward: a hook on each unit root's outputs gathers the unit again before the root's backward
    (Ψ elements, following the backward schedule); when every gradient of a unit has arrived its
-   parameters are freed and its gradient bucket is reduce-scattered (averaged) into this rank's
-   gradient shard (Ψ elements), in the reverse of the forward schedule on every rank;
+   parameters are freed and its gradients are reduce-scattered (averaged) into this rank's
+   gradient shard in pieces of at most one bucket, the constant-size buffers CB (Ψ elements),
+   in the reverse of the forward schedule on every rank;
 3. step: each rank updates its shard; nothing is gathered until the next forward.
 Total 3Ψ, 1.5x plain data parallelism.
 
@@ -149,7 +150,8 @@ class Stage3(Stage):
         self.forward_schedule = GatherSchedule(comm, self._issue_gather, config.prefetch)
         self.backward_schedule = GatherSchedule(comm, self._issue_gather, config.prefetch)
         self.buckets = ShardedGradBuckets(comm, self.groups, self.grad_shards, self.grad_dtype, self.device,
-                                          config.overlap, may_block=self.device.type == "cuda" or comm.backend == "fake")
+                                          config.overlap, config.bucket_numel,
+                                          may_block=self.device.type == "cuda" or comm.backend == "fake")
         self.arrivals = GroupArrivals(self.groups, self.buckets.reduce_scatter)
         self.internal = 0                        # > 0 while the stage's own code runs (the watcher ignores it)
         self.watcher = _ExternalUseWatcher(self)
