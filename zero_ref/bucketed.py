@@ -67,6 +67,11 @@ class BucketedStage(Stage):
         if self.arrival_log is not None:
             self._learn_order()
 
+    def zero_grads(self) -> None:
+        super().zero_grads()
+        if self.arrival_log:   # a first backward that raised: learn the order from a whole one
+            self.arrival_log = []
+
     # --- the bucket order ------------------------------------------------------------------------
     def _learn_order(self) -> None:
         """Agree on the first backward's arrival order and repack if a bucket completed out of order."""

@@ -112,6 +112,12 @@ class FullGradBuffer:
         self.comm.reduce_stream.join()
 
     def zero(self) -> None:
+        """Zero the buffer, once any reduction still writing into it has finished (a backward that
+        raised may have left some in flight; they pair up with the other ranks', so they complete)."""
+        if self.in_flight:
+            while self.in_flight:
+                self._wait_oldest()
+            self.comm.reduce_stream.join()
         self.flat.zero_()
 
 
@@ -280,6 +286,24 @@ class ShardedGradBuckets:
         """Finish every reduction in flight; the compute stream then sees the reduced shards."""
         while self.in_flight:
             self._finish_oldest()
+        self.comm.reduce_stream.join()
+
+    def discard(self) -> None:
+        """Forget a backward that did not finish (engine.backward raised, then engine.zero_grad):
+        wait for the reductions it launched (they pair up with the other ranks'), give every buffer
+        back and drop the gradients held or half accumulated, adding nothing into the shards."""
+        while self.in_flight:
+            _, _, buffer, pending = self.in_flight.popleft()
+            with self.comm.reduce_stream.on():
+                if pending is not None:
+                    pending.wait()
+                self.pool.give(buffer, self.comm.reduce_stream.record_event())
+        for g, bucket in self.filling.items():
+            for param in self.groups[g].params:
+                param.grad = None
+            self.pool.give(bucket)
+        self.filling.clear()
+        self.held.clear()
         self.comm.reduce_stream.join()
 
     def buffers(self) -> list[torch.Tensor]:

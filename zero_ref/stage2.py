@@ -66,6 +66,7 @@ class Stage2(BucketedStage):
         return self.grad_shards
 
     def _zero_grad_buffers(self) -> None:
+        self.buckets.discard()   # what a backward that raised left behind
         self.flat_grad_shard.zero_()
 
     def _grad_state(self) -> tuple[torch.Tensor, bool]:

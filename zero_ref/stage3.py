@@ -332,6 +332,7 @@ class Stage3(Stage):
             self.shards_written = torch.cuda.current_stream(self.device).record_event()
 
     def _zero_grad_buffers(self) -> None:
+        self.buckets.discard()   # what a backward that raised left behind
         self.flat_grad_shard.zero_()
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
