@@ -62,7 +62,11 @@ def test_two_torchrun_nodes_time_a_run_like_two_spawned_ranks(tmp_path):
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     main([*THROUGHPUT, "--world-size", "2", "--out", str(tmp_path / "spawned")])
     columns = ["world_size", "nd", "local_params", "ledger_all_gather", "ledger_reduce_scatter", "moved_all_gather",
-               "flops_per_rank", "peak_gb"]
+               "flops_per_rank"]
     torchrun, spawned = (pd.read_csv(tmp_path / name / "throughput.csv") for name in ("torchrun", "spawned"))
     assert len(torchrun) == 1 and torchrun.world_size.iloc[0] == 2          # one row: rank 0's
     pd.testing.assert_frame_equal(torchrun[columns], spawned[columns])
+    # Stage 3 on gloo frees a gradient buffer once a background wait sees its reduction finish, so
+    # the peak may differ by up to one buffer: a unit here has 12,704 elements, 51 KB in fp32
+    # (measured: 576,308 against 576,180 bytes in one CI run)
+    assert abs(torchrun.peak_gb.iloc[0] - spawned.peak_gb.iloc[0]) <= 51e-6 + 1e-9, (torchrun.peak_gb, spawned.peak_gb)
