@@ -167,11 +167,12 @@ class ShardedGradBuckets:
       piece after piece; the gradients are dropped once copied.
     Once a reduction is done, this rank's chunk is added into `grad_shards[g]` and the buffer goes
     back to the pool. With `may_block`, at most `max_in_flight` reductions run while backward goes on
-    (older ones are waited for; by default one reduces while the next buffer fills: two buffers); without it (stage 3 on gloo, where a host wait could deadlock
-    against a peer that first needs a parameter gather from this rank) finished reductions are
-    harvested as gradients arrive (`harvest`: a background thread waits for each, since gloo tells
-    no one else that a reduce-scatter is done), and `drain()` waits for the rest. Without blocking,
-    how many buffers exist at once depends on how fast the reductions finish.
+    (older ones are waited for; by default one reduces while the next buffer fills: two buffers);
+    without it (stage 3 on gloo, where a host wait could deadlock against a peer that first needs a
+    parameter gather from this rank) finished reductions are harvested as gradients arrive
+    (`harvest`: a background thread waits for each, since gloo tells no one else that a
+    reduce-scatter is done), and `drain()` waits for the rest. Without blocking, how many buffers
+    exist at once depends on how fast the reductions finish.
     """
 
     def __init__(self, comm, groups: Sequence[FlatGroup], grad_shards: list[torch.Tensor], dtype: torch.dtype,
@@ -254,11 +255,14 @@ class ShardedGradBuckets:
                         row[a - first:b - first].copy_(grad.reshape(-1)[a - start:b - start])
                 i += 1
 
-    def _launch(self, g: int, lo: int, buffer: torch.Tensor) -> None:
+    def _own_chunk(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a bucket or piece: where its reduce-scatter result lands."""
         width = buffer.numel() // self.comm.world_size
-        own = buffer[self.comm.rank * width:(self.comm.rank + 1) * width]
+        return buffer[self.comm.rank * width:(self.comm.rank + 1) * width]
+
+    def _launch(self, g: int, lo: int, buffer: torch.Tensor) -> None:
         with label("zero_ref::reduce bucket", g), self.comm.reduce_stream.after_current():
-            pending = self.comm.reduce_scatter(own, buffer, async_op=self.overlap)
+            pending = self.comm.reduce_scatter(self._own_chunk(buffer), buffer, async_op=self.overlap)
         self.in_flight.append((g, lo, buffer, pending))
         if self.may_block:
             while len(self.in_flight) > self.max_in_flight:
@@ -273,38 +277,35 @@ class ShardedGradBuckets:
         while self.in_flight and (self.in_flight[0][3] is None or self.in_flight[0][3].done()):
             self._finish_oldest()
 
-    def _finish_oldest(self) -> None:
+    def _finish_oldest(self, keep: bool = True) -> None:
+        """Wait for the oldest reduction, add this rank's chunk into the shard (unless `keep` is
+        False) and give its buffer back."""
         g, lo, buffer, pending = self.in_flight.popleft()
         with label("zero_ref::reduced bucket", g), self.comm.reduce_stream.on():
             if pending is not None:
                 pending.wait()
-            width = buffer.numel() // self.comm.world_size
-            self.grad_shards[g][lo:lo + width].add_(buffer[self.comm.rank * width:(self.comm.rank + 1) * width])
+            if keep:
+                chunk = self._own_chunk(buffer)
+                self.grad_shards[g][lo:lo + chunk.numel()].add_(chunk)
             self.pool.give(buffer, self.comm.reduce_stream.record_event())
 
-    def drain(self) -> None:
+    def drain(self, keep: bool = True) -> None:
         """Finish every reduction in flight; the compute stream then sees the reduced shards."""
         while self.in_flight:
-            self._finish_oldest()
+            self._finish_oldest(keep)
         self.comm.reduce_stream.join()
 
     def discard(self) -> None:
         """Forget a backward that did not finish (engine.backward raised, then engine.zero_grad):
         wait for the reductions it launched (they pair up with the other ranks'), give every buffer
         back and drop the gradients held or half accumulated, adding nothing into the shards."""
-        while self.in_flight:
-            _, _, buffer, pending = self.in_flight.popleft()
-            with self.comm.reduce_stream.on():
-                if pending is not None:
-                    pending.wait()
-                self.pool.give(buffer, self.comm.reduce_stream.record_event())
+        self.drain(keep=False)
         for g, bucket in self.filling.items():
             for param in self.groups[g].params:
                 param.grad = None
             self.pool.give(bucket)
         self.filling.clear()
         self.held.clear()
-        self.comm.reduce_stream.join()
 
     def buffers(self) -> list[torch.Tensor]:
         """The bucket buffers this object holds (for memory accounting)."""

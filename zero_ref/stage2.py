@@ -7,9 +7,9 @@ Communicated, on every micro-batch:
 1. backward: just before a bucket's first gradient arrives, the bucket takes a constant-size
    buffer from a small pool (CB) and its parameters' `.grad` point into it, so autograd accumulates
    there. When the bucket is complete it is reduce-scattered (averaged) in place, rank r adds chunk r
-   to its gradient shard, and the buffer goes back to the pool. With `overlap`, one bucket fills while the
-   previous one reduces (two buffers), so gradient memory never grows with the model (Ψ elements
-   per step). A parameter larger than a bucket (a big embedding) is a group of its own: autograd
+   to its gradient shard, and the buffer goes back to the pool. With `overlap`, one bucket fills
+   while the previous one reduces (two buffers), so gradient memory never grows with the model
+   (Ψ elements per step). A parameter larger than a bucket (a big embedding) is a group of its own: autograd
    keeps its gradient, which is reduce-scattered in bucket-size pieces, so no buffer outgrows CB;
 2. step: each rank updates its shard and all-gathers that bucket's parameters in place while the
    next bucket updates (Ψ elements): 2Ψ in all, the same as plain data parallelism (Sec 7.2.1).
