@@ -167,6 +167,13 @@ class Pending:
                 f"rank {self.rank}: {self.what} did not complete{bound}: another rank has probably died, "
                 f"raised, or diverged ({str(err).splitlines()[0][:300]})") from err
 
+    def settle(self, seconds: float) -> bool:
+        """Wait at most `seconds` for the collective (watched: see `watch`); True once it has finished.
+        Never raises: a failure is reported by `wait`."""
+        if self._watcher is not None:
+            self._watcher.join(seconds)
+        return self.done()
+
     def done(self) -> bool:
         """True once the collective has finished (never blocks); see `watch`."""
         if self._watcher is not None:

@@ -168,22 +168,26 @@ class ShardedGradBuckets:
     Once a reduction is done, this rank's chunk is added into `grad_shards[g]` and the buffer goes
     back to the pool. With `may_block`, at most `max_in_flight` reductions run while backward goes on
     (older ones are waited for; by default one reduces while the next buffer fills: two buffers);
-    without it (stage 3 on gloo, where a host wait could deadlock against a peer that first needs a
-    parameter gather from this rank) finished reductions are harvested as gradients arrive
-    (`harvest`: a background thread waits for each, since gloo tells no one else that a
-    reduce-scatter is done), and `drain()` waits for the rest. Without blocking, how many buffers
-    exist at once depends on how fast the reductions finish.
+    without it (stage 3 on gloo, where an unbounded host wait could deadlock against a peer that
+    first needs a parameter gather from this rank) finished reductions are harvested as gradients
+    arrive (`harvest`: a background thread waits for each, since gloo tells no one else that a
+    reduce-scatter is done), a launch past `max_in_flight` waits at most `patience_s` for the
+    oldest (after one such wait runs out, none more until `drain`), and `drain()` waits for the
+    rest. So the buffers stay at max_in_flight + 1 unless a reduction takes longer than
+    `patience_s` (ranks out of step, a very slow link).
     """
 
     def __init__(self, comm, groups: Sequence[FlatGroup], grad_shards: list[torch.Tensor], dtype: torch.dtype,
                  device: torch.device, overlap: bool, piece_numel: int, may_block: bool = True,
-                 max_in_flight: int = 1):
+                 max_in_flight: int = 1, patience_s: float = 0.2):
         self.comm, self.groups, self.grad_shards = comm, groups, grad_shards
         self.piece_width = max(1, -(-piece_numel // comm.world_size))   # columns of each shard per piece
         largest = max((group.padded_numel for group in groups), default=0)
         self.pool = BucketPool(min(largest, self.piece_width * comm.world_size), dtype, device)
         self.overlap, self.may_block = overlap, may_block
         self.max_in_flight = max_in_flight if overlap else 0
+        self.patience_s = patience_s
+        self.patient = True                   # False once a wait of this backward ran out
         self.filling: dict[int, torch.Tensor] = {}            # group -> its bucket while gradients arrive
         self.held: dict[int, dict[int, torch.Tensor]] = {}    # group in pieces -> {param index: gradient}
         self.in_flight: deque = deque()   # (group, first column, buffer, pending reduce-scatter)
@@ -271,6 +275,15 @@ class ShardedGradBuckets:
             if pending is not None:
                 pending.watch()   # gloo's reduce-scatter reports completion only to a waiter
             self.harvest()
+            # Give the oldest reduction a moment to finish, so that its buffer is reused rather than
+            # a new one made; never longer than `patience_s`, so a peer that first needs a gather
+            # from this rank gets it. A wait that runs out means the ranks are not in step (their
+            # data chose other module orders): no more waiting until this backward ends.
+            while self.patient and len(self.in_flight) > self.max_in_flight and self.in_flight[0][3] is not None:
+                if not self.in_flight[0][3].settle(self.patience_s):
+                    self.patient = False
+                    break
+                self.harvest()
 
     def harvest(self) -> None:
         """Finish the reductions that are already complete, oldest first (never blocks)."""
@@ -294,6 +307,7 @@ class ShardedGradBuckets:
         while self.in_flight:
             self._finish_oldest(keep)
         self.comm.reduce_stream.join()
+        self.patient = True
 
     def discard(self) -> None:
         """Forget a backward that did not finish (engine.backward raised, then engine.zero_grad):
