@@ -309,7 +309,9 @@ class LiveBytes:
         self.recorder = _LiveRecorder(self.trace, None)
         self.original_resize = None
 
-    def start(self) -> None:
+    def start(self, already_alive=()) -> None:
+        """Start recording; the storages of `already_alive` (tensors made before) are never counted."""
+        self.recorder.already_alive(already_alive)
         self.original_resize = original = torch.UntypedStorage.resize_
         recorder = self.recorder
 
@@ -362,7 +364,7 @@ class PeerRank:
         """(Re)build the contender from the initial weights: step 0 comes next, bytes recorded."""
         self.system = None
         self.live = LiveBytes()
-        self.live.start()
+        self.live.start(already_alive=self.batches)   # the data is the harness's, not the contender's
         model = self.setup.model()
         self.psi = unique_numel(model)
         self.system = build(self.contender, model, self.setup, self.world_size)
@@ -391,7 +393,8 @@ class PeerRank:
             t2 = time.perf_counter()
             if measure:
                 gc.collect()
-            after_backward = self.live.live() if measure else None
+            # minus the loss this harness holds until .item() below (every contender alike)
+            after_backward = self.live.live() - loss.untyped_storage().nbytes() if measure else None
             self.system.step()
             t3 = time.perf_counter()
         value = loss.item()

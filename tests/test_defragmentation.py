@@ -80,6 +80,19 @@ def test_recorder_sees_allocations_frees_and_storage_resizes():
     assert trace.peak_bytes() == 8000
 
 
+def test_storages_made_before_recording_are_not_counted_when_an_op_views_them():
+    batch = torch.zeros(4, 250)                              # made before: the harness's data
+    with record_allocations(already_alive=[batch]) as trace:
+        rows = batch[:2]                                     # a view: the first sight of its storage
+        doubled = rows * 2                                   # a real allocation
+        del rows, doubled
+    assert trace.events == [(0, 2000), (0, -2000)]
+    with record_allocations() as trace:                      # unannounced, the view counts it
+        rows = batch[:2]
+        del rows                                             # the batch keeps the storage alive
+    assert trace.events == [(0, 4000)]
+
+
 def test_recorder_agrees_with_memtracker_on_engine_steps_at_scale():
     from torch.distributed._tools.mem_tracker import MemTracker
 

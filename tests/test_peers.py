@@ -83,23 +83,43 @@ def test_outputs_are_written(smoke):
     assert (out / "peers.png").stat().st_size > 10_000
 
 
-def test_goal_check_compares_zero_ref_with_the_best_peer_of_its_stage():
+def test_goal_check_compares_zero_ref_with_the_best_peer_of_its_stage_round_by_round():
     def row(name, stage, ratio, elements, live, library="torch"):
         return {"world_size": 2, "contender": name, "stage": stage, "library": library, "status": "ok",
                 "ratio_to_ddp": ratio, "elements_per_param": elements, "formula_elements_per_param": 2.0,
                 "live_B_per_param": live, "formula_B_per_param": 10.0, "cb_allowance_B_per_param": 0.5,
                 "loss_equal": True}
 
+    def steps(zero_ref_over_fsdp):
+        """12 rounds of stage 2; the machine's speed drifts by up to 30% from round to round (shared by
+        every contender of a round), zero-ref's step is the given multiple of FSDP2's in each round."""
+        out = []
+        for r, factor in enumerate(zero_ref_over_fsdp):
+            machine = 1.0 + 0.3 * ((r * 7) % 5) / 4
+            for name, step in (("ddp", 0.8), ("deepspeed-2", 1.04), ("fsdp2-no-reshard", 0.96),
+                               ("zero-ref-2", 0.96 * factor)):
+                out.append({"world_size": 2, "group": 2, "contender": name, "round": r, "step_s": step * machine})
+        return pd.DataFrame(out)
+
     rows = [row("ddp", 0, 1.0, 2.0, 20.0), row("deepspeed-2", 2, 1.3, 3.0, 12.2, "deepspeed"),
             row("fsdp2-no-reshard", 2, 1.2, 2.0, 10.1), row("zero-ref-2", 2, 1.25, 2.0001, 10.4, "zero_ref")]
-    (check,) = peers.goal_check(rows)
-    assert check["best_peer"] == "fsdp2-no-reshard" and check["time_ok"] is False and not check["holds"]
-    assert check["peers_with_all_three"] == ["fsdp2-no-reshard"]
-    rows[-1]["ratio_to_ddp"] = 1.1
-    (check,) = peers.goal_check(rows)
+    slower = [1.03, 1.05] * 6                     # slower in every round: beyond the noise
+    (check,) = peers.goal_check(rows, steps(slower))
+    assert check["best_peer"] == "fsdp2-no-reshard" and check["versus_best_peer"]["ci_low"] > 1.0
+    assert check["time_ok"] is False and not check["holds"] and peers._time_verdict(check) == "**slower**"
+    assert check["peers_with_all_three"] == ["fsdp2-no-reshard"]   # DeepSpeed moves 3Ψ
+
+    tie = [0.97, 1.03] * 6                        # as often ahead as behind: a tie within the noise
+    (check,) = peers.goal_check(rows, steps(tie))
     assert check["time_ok"] and check["elements_exact"] and check["bytes_ok"] and check["holds"]
+    assert peers._time_verdict(check) == "as fast" and check["peers_with_all_three"] == ["fsdp2-no-reshard"]
+
+    faster = [0.95, 0.97] * 6
+    (check,) = peers.goal_check(rows, steps(faster))
+    assert peers._time_verdict(check) == "faster" and check["peers_with_all_three"] == [] and check["holds"]
+
     rows[-1]["live_B_per_param"] = 10.6           # above formula + allowance
-    assert not peers.goal_check(rows)[0]["holds"]
+    assert not peers.goal_check(rows, steps(faster))[0]["holds"]
 
 
 @pytest.mark.parametrize("argv, message", [

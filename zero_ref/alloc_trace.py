@@ -16,7 +16,9 @@ bytes < 0: freed):
 * `AllocationTrace.from_cuda_snapshot()`, on CUDA: the caching allocator's own history
   (`torch.cuda.memory._record_memory_history` and `_snapshot()`), the sizes it was asked for.
 
-Storages alive before recording starts are not in the trace (and their frees are ignored).
+Storages alive before recording starts are not in the trace (and their frees are ignored), once
+the recorder knows of them: `_Recorder.already_alive` (otherwise the first op that outputs a view of
+one counts it as an allocation).
 """
 
 from __future__ import annotations
@@ -96,6 +98,15 @@ class _Recorder(TorchDispatchMode):
         if storage.nbytes():
             self._allocate(token, storage.nbytes())
 
+    def already_alive(self, tensors) -> None:
+        """Storages of `tensors` were allocated before recording: an op that outputs a view of one
+        (an input batch sliced per rank) must not count it as a new allocation."""
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage not in self.tokens:
+                self.tokens[storage] = self.next_token
+                self.next_token += 1
+
     def resized(self, storage: torch.UntypedStorage, old_nbytes: int) -> None:
         """After `storage.resize_`: the new size is a new block, then the old block is freed."""
         if storage.nbytes() == old_nbytes:
@@ -123,11 +134,13 @@ class _Recorder(TorchDispatchMode):
 
 
 @contextmanager
-def record_allocations(devices: set[str] | None = None):
+def record_allocations(devices: set[str] | None = None, already_alive=()):
     """Record every storage allocated and freed inside the block (on `devices`, e.g. {"cuda"};
-    all devices when None) into the AllocationTrace it yields."""
+    all devices when None) into the AllocationTrace it yields; the storages of the tensors in
+    `already_alive` (made before, e.g. the input batches) are never counted."""
     trace = AllocationTrace()
     recorder = _Recorder(trace, devices)
+    recorder.already_alive(already_alive)
     original_resize = torch.UntypedStorage.resize_
 
     def resize_(storage, size):
