@@ -300,8 +300,8 @@ def check(rows: list[dict], stage: int) -> list[str]:
 
     Every stage: gradient reductions overlap backward (at least one is issued before backward's
     last computation ends). Stage 3: for each block's forward and backward computation, the gather
-    of its unit has completed (the host's wait and gloo's work both ended) before the computation
-    starts, the unit is not freed while in use, and it is freed after the computation and before it
+    of its unit has completed (the host's wait for it returned; with no wait, gloo's work ended)
+    before the computation starts, the unit is not freed while in use, and it is freed after the computation and before it
     is gathered again. Stages 1-2: each bucket's parameters are all-gathered after the optimizer
     has updated that bucket's shard (no update after the last regather) and after every reduction."""
     def lane(name, prefix):
@@ -333,7 +333,12 @@ def _check_gathers(computes: list[dict], gathers: list[dict], frees: list[dict])
             problems.append(f"{what}: unit {g} was not gathered before it")
             continue
         gather = max(issued, key=lambda r: r["start_us"])
-        finished = max(gather["end_us"], gather["done_us"] if gather["done_us"] is not None else gather["end_us"])
+        # The host's wait returns only once gloo has completed the gather: its end proves completion.
+        # gloo's own event is matched by kind and size, and it closes on gloo's thread after the
+        # completion wakes the waiter (later still when that thread loses the core), so it decides
+        # only for a gather nobody waited for.
+        finished = gather["end_us"] if gather["wait_start_us"] is not None else max(
+            gather["end_us"], gather["done_us"] if gather["done_us"] is not None else gather["end_us"])
         if finished > c["start_us"]:
             problems.append(f"{what}: unit {g}'s gather #{gather['seq']} finishes at {finished:.0f} µs, after the "
                             f"computation starts at {c['start_us']:.0f} µs")

@@ -101,6 +101,15 @@ def test_the_checks_fail_on_reordered_events(explained):
             x["start_us"] = end + 1
 
     assert any("after the computation starts" in p for p in broken(3, stage3, gather_late))
+
+    def gloo_event_closes_late(r):   # gloo's thread closes its event after the woken waiter went on
+        compute = _lane(r, "compute", "forward blocks.1")[0]
+        gather = max((g for g in _lane(r, "collective", "gather unit") if g["group"] == compute["group"]
+                      and g["start_us"] <= compute["start_us"]), key=lambda g: g["start_us"])
+        assert gather["wait_start_us"] is not None and gather["end_us"] <= compute["start_us"]
+        gather["done_us"] = compute["start_us"] + 1000
+
+    assert not any("after the computation starts" in p for p in broken(3, stage3, gloo_event_closes_late))
     assert any("freed while gathered" in p for p in broken(3, stage3, freed_early))
     assert any("do not overlap backward" in p for p in broken(3, stage3, reduced_after_backward))
 
