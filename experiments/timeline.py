@@ -301,8 +301,8 @@ def check(rows: list[dict], stage: int) -> list[str]:
     Every stage: gradient reductions overlap backward (at least one is issued before backward's
     last computation ends). Stage 3: for each block's forward and backward computation, the gather
     of its unit has completed (the host's wait for it returned; with no wait, gloo's work ended)
-    before the computation starts, the unit is not freed while in use, and it is freed after the computation and before it
-    is gathered again. Stages 1-2: each bucket's parameters are all-gathered after the optimizer
+    before the computation starts, the unit is not freed while in use, and it is freed after the
+    computation and before it is gathered again. Stages 1-2: each bucket's parameters are all-gathered after the optimizer
     has updated that bucket's shard (no update after the last regather) and after every reduction."""
     def lane(name, prefix):
         return [r for r in rows if r["lane"] == name and r["what"].startswith(prefix)]
@@ -337,8 +337,8 @@ def _check_gathers(computes: list[dict], gathers: list[dict], frees: list[dict])
         # gloo's own event is matched by kind and size, and it closes on gloo's thread after the
         # completion wakes the waiter (later still when that thread loses the core), so it decides
         # only for a gather nobody waited for.
-        finished = gather["end_us"] if gather["wait_start_us"] is not None else max(
-            gather["end_us"], gather["done_us"] if gather["done_us"] is not None else gather["end_us"])
+        waited = gather["wait_start_us"] is not None
+        finished = gather["end_us"] if waited or gather["done_us"] is None else max(gather["end_us"], gather["done_us"])
         if finished > c["start_us"]:
             problems.append(f"{what}: unit {g}'s gather #{gather['seq']} finishes at {finished:.0f} µs, after the "
                             f"computation starts at {c['start_us']:.0f} µs")

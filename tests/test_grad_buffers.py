@@ -34,10 +34,9 @@ class _OneRankComm:
     world_size, rank = 1, 0
 
     def __init__(self, seconds):
-        self.seconds, self.reduce_stream, self.issued = seconds, SideStream(torch.device("cpu")), 0
+        self.seconds, self.reduce_stream = seconds, SideStream(torch.device("cpu"))
 
     def reduce_scatter(self, output, full, async_op=False):
-        self.issued += 1
         return Pending(_SlowWork(self.seconds), f"reduce_scatter of {full.numel()} elements", 0, timeout_s=10.0)
 
 
