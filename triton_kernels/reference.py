@@ -85,11 +85,13 @@ def fused_adamw_(master, grad, exp_avg, exp_avg_sq, low_precision_out, *, lr, be
     if master.numel() == 0:
         return
     s = adamw_scalars(lr, beta1, beta2, weight_decay, step)
-    g = grad.to(torch.float32) * grad_scale  # a new tensor: never modify the caller's grad
+    # read-only from here on: an fp32 gradient with nothing to scale is used as it is (x * 1.0 == x),
+    # otherwise a scaled fp32 copy (never modify the caller's grad)
+    g = grad if grad.dtype == torch.float32 and grad_scale == 1.0 else grad.to(torch.float32) * grad_scale
     master.mul_(s["decay"])
     exp_avg.lerp_(g, s["weight1"])
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=s["weight2"])
-    denom = (exp_avg_sq.sqrt() / s["bc2_sqrt"]).add_(eps)
+    denom = exp_avg_sq.sqrt().div_(s["bc2_sqrt"]).add_(eps)
     master.addcdiv_(exp_avg, denom, value=-s["step_size"])
     if low_precision_out is not None:
         low_precision_out.copy_(master)

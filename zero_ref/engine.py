@@ -262,9 +262,7 @@ class ZeroEngine:
         # (gradients replicated on every rank, stage 0: only rank 0's sum of squares and flag enter
         # the sum), then read on the host: the step's one sync.
         agree = agreement_stats(hyper)
-        stats = torch.cat([optimizer.grad_stats(grads), stage.used_mask(agree)])
-        if self.mp_comm is not None:
-            stats[0] -= self._replicated_share(optimizer.grad_stats(self._replicated_pieces(grads))[0])
+        stats = torch.cat([self._grad_stats(grads), stage.used_mask(agree)])
         self._sum_stats(stats)
         # meta tensors (the engine at scale, at_scale.py) have no values: step as if every gradient
         # were present and finite, so that the update makes its real allocations
@@ -283,10 +281,8 @@ class ZeroEngine:
         if nonfinite:
             return self._skip_step()
         if not math.isfinite(sum_sq):        # finite gradients whose squares overflow fp32
-            total = optimizer.sum_of_squares_fp64(grads)
-            if self.mp_comm is not None:
-                total -= self._replicated_share(optimizer.sum_of_squares_fp64(self._replicated_pieces(grads)))
-            self._sum_stats(total.view(1))
+            total = self._grad_stats(grads, fp64=True)
+            self._sum_stats(total)
             sum_sq = total.item()
         grad_scale = 1.0 / self.scaler.scale
         if self.config.grad_clip is not None:
@@ -302,12 +298,25 @@ class ZeroEngine:
         self.global_step += 1
         return True
 
+    def _grad_stats(self, grads: list[torch.Tensor], fp64: bool = False) -> torch.Tensor:
+        """[sum of squares, non-finite flag] of this rank's gradients as they enter the sums over
+        the ranks (fp64: [the sum of squares in fp64] alone). With gradients replicated (stage 0)
+        every rank holds the same ones, so only rank 0 reads them and the others add zeros; each
+        MP rank counts its replicated parameters' share (see _replicated_share)."""
+        optimizer = self.stage.optimizer
+        if not self.stage.grads_sharded and self.comm.rank != 0:
+            return torch.zeros(1 if fp64 else 2, dtype=torch.float64 if fp64 else torch.float32,
+                               device=self.stage.device)
+        measure = (lambda pieces: optimizer.sum_of_squares_fp64(pieces).view(1)) if fp64 else optimizer.grad_stats
+        stats = measure(grads)
+        if self.mp_comm is not None:
+            stats[0] -= self._replicated_share(measure(self._replicated_pieces(grads))[0])
+        return stats
+
     def _sum_stats(self, stats: torch.Tensor) -> None:
-        """Sum the step's statistics over the data-parallel ranks (with gradients replicated, stage 0:
-        only rank 0's sum of squares and flag), then sum of squares and flag over the MP ranks."""
+        """Sum the step's statistics over the data-parallel ranks, then sum of squares and flag
+        over the MP ranks."""
         if self.comm.world_size > 1:
-            if not self.stage.grads_sharded and self.comm.rank != 0:
-                stats[:2] = 0
             self.comm.all_reduce(stats, "sum")
         if self.mp_comm is not None:
             head = stats[:2].clone()
