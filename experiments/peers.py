@@ -441,7 +441,8 @@ def report(frame: pd.DataFrame, checks: list[dict], meta: dict) -> str:
                 f"| {r.contender} | {r.stage} | {r.ratio_to_ddp:.2f} ({r.ratio_q1:.2f}-{r.ratio_q3:.2f}) | "
                 f"{r.median_s:.3f} | {r.live_B_per_param:.2f} ({r.formula_B_per_param:.1f}) | {r.excess_buckets:.1f} | "
                 f"{r.at_rest_B_per_param:.2f} | {r.peak_B_per_param:.1f} | {r.elements_per_param:.4f} "
-                f"({r.formula_elements_per_param:.0f}) | {kinds} | {r.final_loss:.6f} | {r.loss_diff_first_steps:.1e} | {r.max_loss_diff:.1e} |")
+                f"({r.formula_elements_per_param:.0f}) | {kinds} | {r.final_loss:.6f} | {r.loss_diff_first_steps:.1e} | "
+                f"{r.max_loss_diff:.1e} |")
         lines.append("")
     lines += ["## The goal", "", f"{meta['goal']}. Time: zero-ref's step against the best peer's of its stage (the "
               "lowest median ratio to DDP), paired by round: the median of (zero-ref's step / the peer's step in the "

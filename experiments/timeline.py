@@ -302,8 +302,9 @@ def check(rows: list[dict], stage: int) -> list[str]:
     last computation ends). Stage 3: for each block's forward and backward computation, the gather
     of its unit has completed (the host's wait for it returned; with no wait, gloo's work ended)
     before the computation starts, the unit is not freed while in use, and it is freed after the
-    computation and before it is gathered again. Stages 1-2: each bucket's parameters are all-gathered after the optimizer
-    has updated that bucket's shard (no update after the last regather) and after every reduction."""
+    computation and before it is gathered again. Stages 1-2: each bucket's parameters are
+    all-gathered after the optimizer has updated that bucket's shard (no update after the last
+    regather) and after every reduction."""
     def lane(name, prefix):
         return [r for r in rows if r["lane"] == name and r["what"].startswith(prefix)]
 
