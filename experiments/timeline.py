@@ -15,7 +15,7 @@ What is read from the trace (nothing is timed by hand):
   the stage's event around the issue ("zero_ref::gather unit g", "::reduce bucket g", "::regather
   bucket g", "::schedule round"); "zero_ref::free unit g", "::take bucket g", "::reduced bucket g";
 * gloo's own "gloo:<kind>" events on its worker threads: when a collective really ran (gloo carries
-  out a reduce-scatter as an all-reduce);
+  out our reduce-scatter as an all-to-all: comm.Comm.reduce_scatter);
 * compute per block: forward, a label opened when the block's first Linear starts and closed when
   its second returns; backward, autograd's nodes whose sequence numbers are those of the ops the
   block's forward recorded; the update, the optimizer's ops between two regathers (stages 1-2);
@@ -47,7 +47,7 @@ HIDDEN, UNITS, ROWS_PER_RANK, WORLD = 128, 3, 16, 2
 BLOCK_NUMEL = 8 * HIDDEN * HIDDEN + 5 * HIDDEN     # fc1 (h -> 4h) and fc2 (4h -> h), with biases
 PSI = UNITS * BLOCK_NUMEL
 PHASES = ("forward", "backward", "optimizer", "after_update")
-GLOO_KIND = {"all_gather": "all_gather", "control": "all_gather", "reduce_scatter": "all_reduce",
+GLOO_KIND = {"all_gather": "all_gather", "control": "all_gather", "reduce_scatter": "all_to_all",
              "all_reduce": "all_reduce", "broadcast": "broadcast"}
 """Our collective -> the gloo event that carries it out."""
 

@@ -7,11 +7,17 @@ a peer such as DDP) and counts floating-point elements per rank the way the pape
         engine.backward(engine(batch)); engine.step()
     counter.moved      # Counter({"reduce_scatter": ..., "all_gather": ..., "all_reduce": ...})
     counter.calls      # how many collectives of each kind were issued
+
+A library that builds one collective out of another says so with `counted_as`: zero-ref's
+reduce-scatter on gloo is an all-to-all and a local sum (comm.py), and counts as the reduce-scatter
+it is, with the elements the all-to-all's own arguments give.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -44,6 +50,19 @@ _OPS = {
 }
 _NOT_COUNTED = {"barrier", "monitored_barrier_", "check_for_nan"}
 
+_counted_kind: ContextVar[str | None] = ContextVar("zero_ref_counted_kind", default=None)
+
+
+@contextmanager
+def counted_as(kind: str):
+    """Count the collectives issued inside the block (on this thread) as `kind`, the collective
+    they carry out; their elements are counted by their own rule."""
+    token = _counted_kind.set(kind)
+    try:
+        yield
+    finally:
+        _counted_kind.reset(token)
+
 
 class CountCollectives(TorchDispatchMode):
     """Counts the elements of every floating-point c10d collective issued while it is active, by
@@ -61,6 +80,7 @@ class CountCollectives(TorchDispatchMode):
             tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
             if name not in _NOT_COUNTED and tensors and tensors[0].is_floating_point():
                 kind, elements = _OPS.get(name, ("other", lambda _: 1))
+                kind = _counted_kind.get() or kind
                 self.moved[kind] += elements(args)
                 self.calls[kind] += 1
         return func(*args, **(kwargs or {}))

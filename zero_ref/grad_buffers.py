@@ -273,7 +273,7 @@ class ShardedGradBuckets:
                 self._finish_oldest()
         else:
             if pending is not None:
-                pending.watch()   # gloo's reduce-scatter reports completion only to a waiter
+                pending.watch()   # a waiter thread: `settle` below waits on it, `harvest` polls it
             self.harvest()
             # Give the oldest reduction a moment to finish, so that its buffer is reused rather than
             # a new one made; never longer than `patience_s`, so a peer that first needs a gather

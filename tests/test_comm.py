@@ -1,0 +1,60 @@
+"""Comm's reduce-scatter on gloo: an all-to-all and a local sum in rank order (gloo's own
+reduce-scatter all-reduces the whole buffer). It must give torch's reduce-scatter's answer, in
+place, count as one reduce-scatter of the full buffer below the engine, and have its sum done when
+the wait returns, whether the caller waits at once or polls first; a second wait changes nothing."""
+
+import pytest
+import torch
+
+from zero_ref.launch import spawn
+
+SIZES = (1, 1001)   # elements per rank's chunk
+
+
+def reduce_scatter_three_ways(rank: int, world: int, dtype: torch.dtype) -> list:
+    import torch.distributed as dist
+
+    from zero_ref.collective_count import CountCollectives
+    from zero_ref.comm import Comm, CommLedger, _reduce_scatter
+
+    out = []
+    for chunk in SIZES:
+        comm = Comm(None, CommLedger(), torch.device("cpu"))
+        torch.manual_seed(rank * 100 + chunk)
+        full = torch.randn(world * chunk, dtype=torch.float64).to(dtype)
+        expected = full.double().clone()
+        dist.all_reduce(expected)
+        expected = expected[rank * chunk:(rank + 1) * chunk] / world
+        native = torch.empty(chunk, dtype=dtype)
+        _reduce_scatter(native, full.clone(), op=dist.ReduceOp.AVG, group=comm.reduce_group)
+        original, own = full.clone(), full[rank * chunk:(rank + 1) * chunk]
+        with CountCollectives() as counter:
+            pending = comm.reduce_scatter(own, full, async_op=True)   # in place: own chunk of `full`
+        polled = pending.watch().settle(60.0)
+        pending.wait()
+        after_first = own.clone()
+        pending.wait()   # a second wait must not sum again
+        separate = torch.full((chunk,), float("nan"), dtype=dtype)
+        comm.reduce_scatter(separate, original)   # blocking, into a tensor of its own
+        out.append({"polled": polled, "moved": dict(counter.moved), "calls": dict(counter.calls),
+                    "twice_equal": torch.equal(after_first, own), "own": own.double(), "native": native.double(),
+                    "expected": expected, "separate_equal": torch.equal(separate, own),
+                    "ledger": comm.ledger.current["reduce_scatter"]})
+    return out
+
+
+@pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.float32), (3, torch.bfloat16)])
+def test_gloo_reduce_scatter_by_all_to_all_matches_torch(world, dtype):
+    ulp = torch.finfo(dtype).eps
+    for rank_out in spawn(reduce_scatter_three_ways, world, dtype, timeout=120):
+        for chunk, r in zip(SIZES, rank_out):
+            assert r["polled"], "all-to-all never reported completion to a poller"
+            assert r["moved"] == {"reduce_scatter": world * chunk} and r["calls"] == {"reduce_scatter": 1}
+            assert r["ledger"] == 2 * world * chunk   # the two calls, each the full buffer
+            assert r["twice_equal"] and r["separate_equal"]
+            scale = r["expected"].abs().max().item() + 1.0
+            # the rank-order sum rounds once per addition, like gloo's own
+            assert (r["own"] - r["expected"]).abs().max().item() <= world * ulp * scale
+            assert (r["own"] - r["native"]).abs().max().item() <= 2 * world * ulp * scale
+            if world == 2 and dtype == torch.float32:   # a + b, then / 2: what gloo computes
+                assert torch.equal(r["own"], r["native"])
