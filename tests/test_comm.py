@@ -33,7 +33,7 @@ def reduce_scatter_three_ways(rank: int, world: int, dtype: torch.dtype) -> list
         polled = pending.watch().settle(60.0)
         pending.wait()
         after_first = own.clone()
-        pending.wait()   # a second wait must not sum again
+        pending.wait()   # a second wait must leave the result as it is
         separate = torch.full((chunk,), float("nan"), dtype=dtype)
         comm.reduce_scatter(separate, original)   # blocking, into a tensor of its own
         out.append({"polled": polled, "moved": dict(counter.moved), "calls": dict(counter.calls),
