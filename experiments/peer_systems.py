@@ -371,11 +371,6 @@ class PeerRank:
         dist.barrier()
         self.built_bytes = self.live.live()
 
-    def restart(self) -> None:
-        """Train again from step 0 (the driver's DDP, once per group of contenders)."""
-        self.live.stop()
-        self.build()
-
     def step(self, i: int, measure: bool = False) -> dict:
         """Train on batch i; time forward (incl. loss), backward and the optimizer step. With
         `measure`: also count the collectives and read live bytes (a slower step: not for timing)."""

@@ -10,16 +10,17 @@ elements moved per parameter beside 2/2/2/3 (counted below every library, at tor
 and the loss of every step against DDP's (fp32, so the comparison is of the same work: equal to
 round-off in the first FIRST_STEPS steps, the later drift reported; LOSS_TOLERANCE says why).
 
-How it runs (``zero_ref.launch.RankPool``: each contender's ranks are its own processes and process
-group, alive between calls). The contenders are taken one stage at a time: DDP plus that stage's
-contenders are alive together, DDP restarted from the initial weights before each stage, so every
-contender trains steps 0..N-1 on the same batches. Each runs ``--warmup`` untimed steps (the last
-one measured: collectives counted, live bytes read), then ``--steps`` timed steps interleaved in
-``--rounds`` rounds (each round every contender of the stage, DDP included, runs its share of
-steps, in an order rotated every round). The shared 2-core machine varies by about 20% run to run,
-so a ratio to DDP is the median over rounds of (this contender's step / DDP's step in the same
-round), with the interquartile range of those per-round ratios. One stage at a time also keeps
-memory in bounds: all 14 contenders' ranks at world 4 would be 56 processes of about 0.4 GB.
+How it runs (experiments/peer_runs.py): one stage at a time, DDP beside that stage's contenders,
+each in its own processes (``zero_ref.launch.RankPool``), in ``--blocks`` blocks of freshly started
+processes. In each block every contender trains steps 0..n-1 from the initial weights on the same
+batches: ``--warmup`` untimed steps (the last one measured: collectives counted, live bytes read),
+then its share of the ``--steps`` timed steps, interleaved in rounds (``--rounds`` in all; each
+round every contender of the stage, DDP included, runs its share of steps, in an order rotated
+every round). The shared 2-core machine varies by about 20% run to run, so a ratio to DDP is the
+median over rounds of (this contender's step / DDP's step in the same round), with the
+interquartile range of those per-round ratios. zero-ref against the best peer of its stage is
+judged block by block (``not_slower``): a process set keeps a speed of its own, which rounds do
+not take out.
 
 A contender whose library is missing (``pip install -e ".[peers]"`` installs DeepSpeed) or that
 fails is kept in the table with the reason.
@@ -40,7 +41,6 @@ import os
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -48,9 +48,10 @@ import pandas as pd
 from tqdm import tqdm
 
 from experiments.bench_scaling import FIRST_STEPS, median_ci
-from experiments.peer_systems import CONTENDERS, PeerRank, Setup, deepspeed_config, resolved_settings, versions
+from experiments.peer_report import paired, plot, report, time_verdict
+from experiments.peer_runs import groups, repeatable, run_world
+from experiments.peer_systems import CONTENDERS, Setup, deepspeed_config, resolved_settings, versions
 from experiments.provenance import ROOT, provenance
-from zero_ref.launch import RankError, RankPool
 from zero_ref.memory_model import model_state_bytes
 
 PAPER_ELEMENTS = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
@@ -77,131 +78,8 @@ it counts apart from model states (one bucket filling while the previous one is 
 allowance is the same number of bytes for every contender."""
 
 
-def groups(names: list[str]) -> dict[int, list[str]]:
-    """stage -> the chosen contenders of that stage other than DDP, in table order."""
-    out: dict[int, list[str]] = {}
-    for name, contender in CONTENDERS.items():
-        if name in names and name != "ddp":
-            out.setdefault(contender.stage, []).append(name)
-    return out or {0: []}
-
-
-def start_pools(names: list[str], world: int, setup: Setup, timeout: float, records: dict) -> dict[str, RankPool]:
-    """The contenders' ranks, started side by side (start-up is mostly imports: both cores busy);
-    a contender that fails to start gets the reason in its record instead."""
-
-    def start(name: str) -> RankPool | None:
-        try:
-            return RankPool(world, PeerRank, name, setup, timeout_s=timeout, collective_timeout_s=timeout)
-        except (RankError, TimeoutError) as error:
-            records[name].update(status="failed", reason=_last_line(error))
-            return None
-
-    with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
-        started = dict(zip(names, pool.map(start, names)))
-    return {name: p for name, p in started.items() if p is not None}
-
-
-def _last_line(error: Exception) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
-
-
-def run_world(world: int, names: list[str], setup: Setup, args, progress) -> tuple[dict, list[dict]]:
-    """Run every chosen contender at one world size; return {name: record} and the timed steps."""
-    records = {name: {"status": "ok", "reason": "", "stage": CONTENDERS[name].stage} for name in names}
-    for name in names:
-        if why := CONTENDERS[name].missing():
-            records[name].update(status="skipped", reason=why)
-    step_rows: list[dict] = []
-    ddp = None
-    try:
-        for index, (stage, members) in enumerate(groups(names).items()):
-            progress.set_postfix_str(f"world {world}: starting stage {stage}")
-            members = [n for n in members if records[n]["status"] == "ok"]
-            pools = start_pools((["ddp"] if ddp is None else []) + members, world, setup, args.timeout, records)
-            if ddp is None:
-                if "ddp" not in pools:
-                    close_pools(list(pools.values()))
-                    raise RuntimeError(f"DDP, the baseline, did not start: {records['ddp']['reason']}")
-                ddp = pools["ddp"]
-            else:
-                ddp.call("restart")
-            pools = {"ddp": ddp, **{n: p for n, p in pools.items() if n != "ddp"}}
-            ddp_record = records["ddp"] if index == 0 else {"status": "ok", "reason": ""}
-            try:
-                run_group(world, stage, pools, records, ddp_record, args, progress, step_rows)
-            finally:
-                close_pools([pool for name, pool in pools.items() if name != "ddp"])
-    finally:
-        if ddp is not None:
-            ddp.close()
-    return records, step_rows
-
-
-def close_pools(pools: list[RankPool]) -> None:
-    """Close side by side (each rank takes a second or two to leave its process group and exit)."""
-    with ThreadPoolExecutor(max_workers=max(1, len(pools))) as executor:
-        list(executor.map(RankPool.close, pools))
-
-
-def run_group(world, stage, pools, records, ddp_record, args, progress, step_rows) -> None:
-    """Warm-up (the last step measured), then the timed rounds, for DDP and one stage's contenders."""
-    group_records = {name: (ddp_record if name == "ddp" else records[name]) for name in pools}
-    for rec in group_records.values():
-        rec.setdefault("losses", {})
-    ddp_losses = group_records["ddp"]["losses"]
-
-    def run(name: str, step: int, measure: bool = False, round_index: int = -1) -> None:
-        rec = group_records[name]
-        try:
-            by_rank = pools[name].call("step", step, measure=measure)
-            if measure:
-                pools[name].call("stop_recording")
-        except (RankError, TimeoutError) as error:
-            if name == "ddp":
-                raise
-            rec.update(status="failed", reason=f"step {step}: {_last_line(error)}")
-            del pools[name]
-            return
-        rec["losses"][step] = [r["loss"] for r in by_rank]
-        if measure:
-            rec["measured"] = by_rank
-        elif round_index >= 0:
-            slowest = max(by_rank, key=lambda r: r["step_s"])
-            step_rows.append({"world_size": world, "group": stage, "contender": name, "round": round_index,
-                              "step": step, **{k: slowest[k] for k in ("step_s", "forward_s", "backward_s",
-                                                                       "optimizer_s")},
-                              "loss": statistics.fmean(r["loss"] for r in by_rank)})
-
-    for name in list(pools):
-        for step in range(args.warmup):
-            if name in pools:
-                run(name, step, measure=step == args.warmup - 1)
-    per_round = math.ceil(args.steps / args.rounds)
-    for r in range(args.rounds):
-        names = list(pools)
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            first = args.warmup + r * per_round
-            for step in range(first, min(first + per_round, args.warmup + args.steps)):
-                if name in pools:
-                    run(name, step, round_index=r)
-        progress.update(1)
-        progress.set_postfix_str(f"world {world}, stage {stage}")
-    for name, rec in group_records.items():
-        if name != "ddp" and rec["status"] == "ok":
-            rec["loss_diff_first_steps"], rec["max_loss_diff"] = loss_differences(rec["losses"], ddp_losses)
-    records.setdefault("_ddp_losses", []).append(ddp_losses)
-
-
-def loss_differences(losses: dict[int, list[float]], ddp_losses: dict[int, list[float]]) -> tuple[float, float]:
-    """(the largest |loss - DDP's| over ranks in the first FIRST_STEPS steps, the largest over all
-    steps) for per-step, per-rank losses {step: [loss of rank 0, rank 1, ...]}."""
-    diffs = {s: max(abs(a - b) for a, b in zip(by_rank, ddp_losses[s])) for s, by_rank in losses.items()}
-    return max((d for s, d in diffs.items() if s < FIRST_STEPS), default=0.0), max(diffs.values(), default=0.0)
-
-
 def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile); one value is all three."""
     if len(values) == 1:
         return values[0], values[0], values[0]
     q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
@@ -252,26 +130,40 @@ def summarize(world: int, records: dict, step_rows: list[dict], setup: Setup, ps
     return rows
 
 
-def paired_ratios(steps: pd.DataFrame, world: int, stage: int, name: str, other: str) -> list[float]:
-    """Per round of `stage`'s group at `world`: `name`'s step over `other`'s in the same round
-    (medians of each one's steps in that round). Pairing by round takes out the machine's slow and
-    fast minutes, which both contenders share."""
+def paired_ratios(steps: pd.DataFrame, world: int, stage: int, name: str, other: str) -> dict[int, list[float]]:
+    """Per block, per round of `stage`'s group at `world`: `name`'s step over `other`'s in the same
+    round (medians of each one's steps in that round). Pairing by round takes out the machine's slow
+    and fast minutes, which both contenders share; {block: [ratio of each round]}."""
     g = steps[(steps.world_size == world) & (steps.group == stage)]
-    mine, theirs = (g[g.contender == n].groupby("round").step_s.median() for n in (name, other))
-    both = mine.index.intersection(theirs.index)
-    return [float(mine[r] / theirs[r]) for r in both]
+    if "block" not in g:
+        g = g.assign(block=0)
+    mine, theirs = (g[g.contender == n].groupby(["block", "round"]).step_s.median() for n in (name, other))
+    out: dict[int, list[float]] = {}
+    for block, r in mine.index.intersection(theirs.index):
+        out.setdefault(int(block), []).append(float(mine[block, r] / theirs[block, r]))
+    return out
 
 
 def not_slower(steps: pd.DataFrame, world: int, stage: int, name: str, other: str) -> dict:
-    """Is `name` no slower than `other`? The median of the paired per-round ratios and its
-    distribution-free 95% interval (experiments.bench_scaling.median_ci, the regression gate's): `name`
-    is slower only when the whole interval lies above 1, i.e. beyond the noise the run measured."""
-    ratios = paired_ratios(steps, world, stage, name, other)
-    if not ratios:
-        return {"median": None, "ci_low": None, "ci_high": None, "rounds": 0, "ok": None}
-    low, high = median_ci(ratios)
-    return {"median": statistics.median(ratios), "ci_low": low, "ci_high": high, "rounds": len(ratios),
-            "ok": bool(low <= 1.0)}
+    """Is `name` no slower than `other`? In each block (its own freshly started processes), the
+    median of the paired per-round ratios and its distribution-free 95% interval
+    (experiments.bench_scaling.median_ci, the regression gate's). A process set keeps a speed of its
+    own (experiments/peer_runs.py), so a verdict must hold in every block: `name` is slower only
+    when every block's whole interval lies above 1, faster only when every one lies below. Reported:
+    the median of all rounds' ratios, the interval from the lowest block's low to the highest
+    block's high, and each block's own."""
+    by_block = paired_ratios(steps, world, stage, name, other)
+    if not by_block:
+        return {"median": None, "ci_low": None, "ci_high": None, "rounds": 0, "blocks": [], "ok": None}
+    blocks = []
+    for block, ratios in sorted(by_block.items()):
+        low, high = median_ci(ratios)
+        blocks.append({"block": block, "median": statistics.median(ratios), "ci_low": low, "ci_high": high,
+                       "rounds": len(ratios)})
+    pooled = [ratio for ratios in by_block.values() for ratio in ratios]
+    low, high = min(b["ci_low"] for b in blocks), max(b["ci_high"] for b in blocks)
+    return {"median": statistics.median(pooled), "ci_low": low, "ci_high": high, "rounds": len(pooled),
+            "blocks": blocks, "ok": bool(low <= 1.0)}
 
 
 def goal_check(rows: list[dict], steps: pd.DataFrame) -> list[dict]:
@@ -326,168 +218,6 @@ def write_outputs(out: Path, rows: list[dict], step_rows: list[dict], checks: li
     (out / "REPORT.md").write_text(report(frame, checks, meta))
 
 
-def plot(path: Path, frame: pd.DataFrame, meta: dict) -> None:
-    """Three panels (time vs DDP, live B/Ψ, elements/Ψ), contenders grouped by stage, one bar per
-    world size, every bar labelled; the formula as a black tick over each bar."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [n for n in CONTENDERS if n in set(frame.contender)]
-    worlds = sorted(frame.world_size.unique())
-    width = 0.8 / len(worlds)
-    x = {}
-    for i, name in enumerate(names):   # a gap between stages
-        x[name] = i + 0.6 * CONTENDERS[name].stage
-    panels = [("ratio_to_ddp", None, "step time / DDP's (median of per-round ratios, bar: IQR)"),
-              ("live_B_per_param", "formula_B_per_param", "live bytes per parameter after backward, per rank "
-               "(log; tick: formula)"),
-              ("elements_per_param", "formula_elements_per_param", "elements moved per parameter per step "
-               "(tick: paper's 2/2/2/3)")]
-    fig, axes = plt.subplots(3, 1, figsize=(max(10, 0.9 * len(names) * len(worlds) + 3), 12), sharex=True)
-    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]
-    for ax, (column, formula, title) in zip(axes, panels):
-        for j, world in enumerate(worlds):
-            for name in names:
-                row = frame[(frame.contender == name) & (frame.world_size == world)]
-                if row.empty:
-                    continue
-                r = row.iloc[0]
-                xpos = x[name] - 0.4 + width * (j + 0.5)
-                if r.status != "ok":
-                    ax.text(xpos, 0.02, r.status, rotation=90, transform=ax.get_xaxis_transform(), ha="center",
-                            va="bottom", fontsize=7, color="grey")
-                    continue
-                value = r[column]
-                error = None
-                if column == "ratio_to_ddp":
-                    error = [[value - r.ratio_q1], [r.ratio_q3 - value]]
-                ax.bar(xpos, value, width * 0.9, color=colors[j % len(colors)], yerr=error, capsize=2,
-                       label=f"world {world}" if name == names[0] else None)
-                if formula:
-                    ax.hlines(r[formula], xpos - width * 0.45, xpos + width * 0.45, color="black", linewidth=2)
-                label = f"{value:.2f}" if column != "elements_per_param" else f"{value:.4f}"
-                top = max(value, r.ratio_q3) if column == "ratio_to_ddp" else value
-                ax.annotate(label, (xpos, top), textcoords="offset points", xytext=(0, 3), ha="center",
-                            va="bottom", fontsize=7, rotation=90)
-        if column == "ratio_to_ddp":
-            ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.margins(y=0.25)
-        if column == "live_B_per_param":
-            ax.set_yscale("log")
-            low, high = ax.get_ylim()
-            ax.set_ylim(low, high * 2)
-        ax.set_title(title, fontsize=10)
-        for stage in range(4):
-            members = [x[n] for n in names if CONTENDERS[n].stage == stage]
-            if members:
-                ax.axvspan(min(members) - 0.5, max(members) + 0.5, color="grey", alpha=0.06 * (stage % 2 + 1))
-                if column == "ratio_to_ddp":
-                    ax.text((min(members) + max(members)) / 2, 0.98, f"stage {stage}", ha="center", va="top",
-                            transform=ax.get_xaxis_transform(), fontsize=9)
-    axes[-1].legend(fontsize=8, loc="upper left")
-    axes[-1].set_xticks([x[n] for n in names], names, rotation=35, ha="right", fontsize=8)
-    setup = meta["setup"]
-    fig.suptitle(f"peers, GPT-2 {setup['layers']}x{setup['hidden']} (Ψ = {meta['psi']:,}), fp32, {meta['steps']} "
-                 f"timed steps; shaded: stages 0-3", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _f(value, digits: int = 2) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return ""
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-
-def report(frame: pd.DataFrame, checks: list[dict], meta: dict) -> str:
-    setup, v = meta["setup"], meta["versions"]
-    lines = [
-        "# Peers side by side (generated by experiments/peers.py; do not edit)", "",
-        f"- command: `{meta['command']}`; git {meta['git_revision']}; {meta['date_utc']}; {meta['seconds']:.0f} s",
-        f"- versions: torch {v['torch']}, deepspeed {v['deepspeed'] or '(not installed)'}, transformers "
-        f"{v['transformers']}; {meta['hardware']['cpu']}, {meta['hardware']['cores']} cores; load average "
-        f"{meta['load_average_1min_before_after'][0]:.1f} before, {meta['load_average_1min_before_after'][1]:.1f} after",
-        f"- model: tiny_gpt2 {setup['layers']} layers x {setup['hidden']}, {setup['heads']} heads, vocab "
-        f"{setup['vocab']}, seq {setup['seq']}: Ψ = {meta['psi']:,}; fp32; global batch {setup['batch']} (each rank "
-        f"its slice); AdamW lr {setup['lr']}, betas {tuple(setup['betas'])}, eps {setup['eps']}, weight decay "
-        f"{setup['weight_decay']}; seed {setup['seed']}; bucket {setup['bucket_numel']:,} elements",
-        f"- steps: {meta['warmup']} warm-up (the last measured) + {meta['steps']} timed, in {meta['rounds']} rounds; "
-        f"DDP restarted per stage, its losses the same every time: {meta['ddp_losses_repeatable']}", "",
-        "Time: median over rounds of (step / DDP's step in the same round), the slowest rank's step; IQR: of those "
-        "ratios. The stages run one after another (DDP beside each), so ratios compare within a stage; across "
-        "stages they are from different minutes of a shared machine. Live B/Ψ: bytes of tensor storage alive on a rank after backward, before the optimizer step "
-        "(parameters, gradients and optimizer states all alive), per parameter; formula: "
-        "model_state_bytes(Ψ, stage, Nd, k=8, param_bytes=4, grad_bytes=4). Peak: the most alive during the step "
-        "(activations included). Elements: what one rank's collectives move per step, counted at torch's dispatcher "
-        "the paper's way (all-reduce 2n; reduce-scatter, all-gather, broadcast, reduce n). Loss: of the last step, "
-        f"mean over ranks; Δloss: the largest |loss - DDP's| over ranks, in the first "
-        f"{meta['loss_first_steps']} steps (checked: at most {meta['loss_tolerance']:g}) and over all steps (reported: "
-        "fp32 round-off that Adam amplifies, see LOSS_TOLERANCE).", ""]
-    for world, g in frame.groupby("world_size"):
-        lines += [f"## World size {world}", "",
-                  "| contender | stage | time vs DDP (IQR) | median s | live B/Ψ (formula) | excess, buckets | at rest | "
-                  "peak | elements/Ψ (paper) | moved by kind /Ψ | loss | Δloss first steps | all steps |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in g.itertuples():
-            if r.status != "ok":
-                lines.append(f"| {r.contender} | {r.stage} | {r.status}: {r.reason} | | | | | | | | | | |")
-                continue
-            kinds = ", ".join(f"{c[6:-10]} {getattr(r, c):.3f}" for c in g.columns
-                              if c.startswith("moved_") and not pd.isna(getattr(r, c)))
-            lines.append(
-                f"| {r.contender} | {r.stage} | {r.ratio_to_ddp:.2f} ({r.ratio_q1:.2f}-{r.ratio_q3:.2f}) | "
-                f"{r.median_s:.3f} | {r.live_B_per_param:.2f} ({r.formula_B_per_param:.1f}) | {r.excess_buckets:.1f} | "
-                f"{r.at_rest_B_per_param:.2f} | {r.peak_B_per_param:.1f} | {r.elements_per_param:.4f} "
-                f"({r.formula_elements_per_param:.0f}) | {kinds} | {r.final_loss:.6f} | {r.loss_diff_first_steps:.1e} | "
-                f"{r.max_loss_diff:.1e} |")
-        lines.append("")
-    lines += ["## The goal", "", f"{meta['goal']}. Time: zero-ref's step against the best peer's of its stage (the "
-              "lowest median ratio to DDP), paired by round: the median of (zero-ref's step / the peer's step in the "
-              "same round) and its distribution-free 95% interval; zero-ref is slower only when the whole interval "
-              "lies above 1, beyond the noise the run measured (the regression gate's rule); "
-              f"elements: within {COMM_TOLERANCE:g}Ψ of 2/2/2/3Ψ; bytes: live bytes after backward at most the formula "
-              f"+ {CB_ALLOWANCE_BUCKETS} buckets of {meta['setup']['bucket_numel']:,} fp32 elements (the paper's "
-              "constant-size buffers CB, counted apart from model states; the same bytes for every contender); loss "
-              f"equal to DDP's in the first {meta['loss_first_steps']} steps (to {meta['loss_tolerance']:g}).", "",
-              "| world | stage | zero-ref vs DDP | best peer (vs DDP) | zero-ref / best peer, paired (95% CI) | "
-              "time | elements/Ψ | exact | B/Ψ (formula) | bytes | loss | goal | peers as fast, exact and within "
-              "the bytes |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c in checks:
-        yes = lambda b: "n/a" if b is None else ("yes" if b else "**no**")  # noqa: E731
-        lines.append(f"| {c['world_size']} | {c['stage']} | {c['zero_ref_ratio']:.2f} | {c['best_peer'] or '-'} "
-                     f"({_f(c['best_peer_ratio'])}) | {_paired(c['versus_best_peer'])} | {_time_verdict(c)} | "
-                     f"{c['elements_per_param']:.4f} | "
-                     f"{yes(c['elements_exact'])} | {c['live_B_per_param']:.2f} ({c['formula_B_per_param']:.1f}) | "
-                     f"{yes(c['bytes_ok'])} | {yes(c['loss_equal'])} | {'holds' if c['holds'] else '**fails**'} | "
-                     f"{', '.join(c['peers_with_all_three']) or 'none'} |")
-    held = sum(c["holds"] for c in checks)
-    lines += ["", f"The goal holds in {held} of {len(checks)} (world size, stage) cases in this run.", "",
-              "Settings beyond each library's defaults (all in meta.json): DeepSpeed gets `gradient_clipping: 0` in "
-              "every variant (its default clips the gradient norm to 1.0, which no other contender does); "
-              + "; ".join(f"{n}: {json.dumps(c['settings'])}" for n, c in meta["contenders"].items() if c["settings"])
-              + ".", ""]
-    return "\n".join(lines)
-
-
-def _paired(versus: dict | None) -> str:
-    if not versus or versus["median"] is None:
-        return "-"
-    return f"{versus['median']:.3f} ({versus['ci_low']:.3f}-{versus['ci_high']:.3f}, {versus['rounds']} rounds)"
-
-
-def _time_verdict(check: dict) -> str:
-    """faster (the whole interval below 1), as fast (it holds 1: a tie within the noise), **slower**."""
-    versus = check["versus_best_peer"]
-    if not versus or versus["ok"] is None:
-        return "n/a"
-    if not versus["ok"]:
-        return "**slower**"
-    return "faster" if versus["ci_high"] < 1.0 else "as fast"
-
-
 def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
     """For `zero-ref reproduce`: the default run (quick: world 2, GPT-2 2x64, 4 timed steps, eight
     contenders); one headline row per world size and stage."""
@@ -503,8 +233,8 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
     headline = []
     for c in meta["goal_check"]:
         stage, world = c["stage"], c["world_size"]
-        peer = (f"best peer {c['best_peer']} {c['best_peer_ratio']:.2f}x; paired {_paired(c['versus_best_peer'])}: "
-                f"{_time_verdict(c).strip('*')}") if c["best_peer"] else "no peer ran"
+        peer = (f"best peer {c['best_peer']} {c['best_peer_ratio']:.2f}x; paired {paired(c['versus_best_peer'])}: "
+                f"{time_verdict(c).strip('*')}") if c["best_peer"] else "no peer ran"
         headline.append({
             "item": f"peers, stage {stage}, world {world}: zero-ref-{stage} vs the stage's peers",
             "paper": f"{PAPER_ELEMENTS[stage]:.0f}Ψ moved; {c['formula_B_per_param']:.1f} B/Ψ (fp32)",
@@ -527,6 +257,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, the last measured (>= 2)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds the timed steps are split into "
                         "(default --steps: one step of each contender per round)")
+    parser.add_argument("--blocks", type=int, default=2, help="blocks each stage's rounds are split into, each in "
+                        "freshly started processes (default 2; the time verdict must hold in every block)")
     parser.add_argument("--layers", type=int, default=Setup.layers)
     parser.add_argument("--hidden", type=int, default=Setup.hidden)
     parser.add_argument("--heads", type=int, default=Setup.heads)
@@ -546,11 +278,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.rounds is None:
         args.rounds = args.steps
     for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 2), ("--rounds", args.rounds, 1),
+                             ("--blocks", args.blocks, 1),
                              *(("--world-size", w, 1) for w in args.world_size)):
         if value < low:
             parser.error(f"{flag} must be >= {low}, got {value}")
     if args.rounds > args.steps:
         parser.error(f"--rounds {args.rounds} must be <= --steps {args.steps} (each round times at least one step)")
+    if args.blocks > args.rounds:
+        parser.error(f"--blocks {args.blocks} must be <= --rounds {args.rounds} (each block runs at least one round)")
     for world in args.world_size:
         if args.batch % world:
             parser.error(f"--batch {args.batch} must be divisible by every --world-size, not by {world}")
@@ -559,11 +294,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     names = ["ddp"] + [n for n in args.contenders if n != "ddp"]
     setup = Setup(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq=args.seq,
                   batch=args.batch, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
-                  bucket_numel=args.bucket_numel or 12 * args.hidden**2, steps=args.warmup + args.steps)
+                  bucket_numel=args.bucket_numel or 12 * args.hidden**2,
+                  steps=args.warmup + math.ceil(args.steps / args.blocks))
     psi = sum(p.numel() for p in setup.model().parameters())
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     say(f"peers: tiny_gpt2 {setup.layers}x{setup.hidden}, vocab {setup.vocab}, seq {setup.seq}: Ψ = {psi:,}; global "
-        f"batch {setup.batch}; fp32; {args.warmup} warm-up + {args.steps} timed steps in {args.rounds} rounds; "
+        f"batch {setup.batch}; fp32; {args.warmup} warm-up + {args.steps} timed steps in {args.rounds} rounds, "
+        f"{args.blocks} blocks; "
         f"world {' and '.join(map(str, args.world_size))}")
     for name in names:
         if why := CONTENDERS[name].missing():
@@ -575,15 +312,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tqdm(total=total_rounds, desc="rounds", unit="round", disable=args.quiet, dynamic_ncols=True) as progress:
         for world in args.world_size:
             records, steps = run_world(world, names, setup, args, progress)
-            ddp_runs = records.pop("_ddp_losses")
-            ddp_repeatable &= all(run == ddp_runs[0] for run in ddp_runs)
+            ddp_repeatable &= repeatable(records.pop("_ddp_losses"))
             rows += summarize(world, records, steps, setup, psi)
             step_rows += steps
     meta = provenance() | {
         "seconds": round(time.perf_counter() - start, 1), "load_average_1min_before_after": [load_before,
                                                                                              os.getloadavg()[0]],
         "versions": versions(), "setup": asdict(setup), "psi": psi, "world_sizes": args.world_size,
-        "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds, "ddp_losses_repeatable": ddp_repeatable,
+        "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds, "blocks": args.blocks,
+        "ddp_losses_repeatable": ddp_repeatable,
         "loss_tolerance": LOSS_TOLERANCE, "loss_first_steps": FIRST_STEPS, "comm_tolerance": COMM_TOLERANCE,
         "cb_allowance_buckets": CB_ALLOWANCE_BUCKETS,
         "contenders": {n: {"stage": c.stage, "library": c.library, "what": c.what,

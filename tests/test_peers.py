@@ -1,8 +1,8 @@
 """The peers study (experiments/peers.py) end to end on a tiny GPT-2 at world 2, and its pieces.
 
-One smoke run of the stage-3 contenders (most of its time is starting each contender's ranks):
-DDP, FSDP2 resharding after forward, zero-ref stage 3 and, when DeepSpeed is installed, its ZeRO-3
-releasing parameters after use. Every contender must train exactly as DDP does (fp32 losses equal), move the
+One smoke run of the stage-3 contenders in two blocks of fresh processes (most of its time is
+starting each contender's ranks): DDP, FSDP2 resharding after forward, zero-ref stage 3 and, when
+DeepSpeed is installed, its ZeRO-3 releasing parameters after use. Every contender must train exactly as DDP does (fp32 losses equal), move the
 paper's elements per parameter, and the outputs must be written."""
 
 import importlib.util
@@ -11,7 +11,8 @@ import json
 import pandas as pd
 import pytest
 
-from experiments import peers
+from experiments import peer_runs, peers
+from experiments.peer_report import time_verdict
 from experiments.peer_systems import CONTENDERS
 
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "512", "--seq", "32", "--batch", "4"]
@@ -35,8 +36,8 @@ def test_every_contender_trains_as_ddp_does_and_moves_the_papers_elements(smoke)
     for name in ran:
         row = rows[name]
         assert row["status"] == "ok", (name, row["reason"])
-        # DDP runs beside each stage's contenders (stage 3 only here)
-        assert row["loss_steps"] == 4 and row["timed_steps"] == 2, name
+        # two blocks, each from the initial weights: 2 warm-up steps + 1 timed step, twice
+        assert row["loss_steps"] == 3 and row["timed_steps"] == 2, name
         assert row["max_loss_diff"] <= peers.LOSS_TOLERANCE, (name, row["max_loss_diff"])
         assert row["loss_equal"] and row["loss_diff_first_steps"] <= row["max_loss_diff"], name
         assert row["final_loss"] == pytest.approx(rows["ddp"]["final_loss"], abs=peers.LOSS_TOLERANCE)
@@ -75,10 +76,13 @@ def test_outputs_are_written(smoke):
     assert list(table.contender) == [n for n in CONTENDERS if n in SMOKE]
     steps = pd.read_csv(out / "peers_steps.csv")
     assert len(steps[steps.contender == "zero-ref-3"]) == 2
+    assert sorted(steps[steps.contender == "zero-ref-3"].block) == [0, 1]   # one round in each block
     assert set(steps.contender) == {n for n, r in rows.items() if r["status"] == "ok"}
     meta = json.loads((out / "meta.json").read_text())
     assert meta["versions"]["torch"] and meta["git_revision"] and meta["ddp_losses_repeatable"] is True
-    assert {c["stage"] for c in meta["goal_check"]} == {3}
+    assert {c["stage"] for c in meta["goal_check"]} == {3} and meta["blocks"] == 2
+    (check,) = meta["goal_check"]
+    assert [b["block"] for b in check["versus_best_peer"]["blocks"]] == [0, 1]
     report = (out / "REPORT.md").read_text()
     assert "## World size 2" in report and "## The goal" in report and "| zero-ref-3 | 3 |" in report
     assert (out / "peers.png").stat().st_size > 10_000
@@ -107,33 +111,65 @@ def test_goal_check_compares_zero_ref_with_the_best_peer_of_its_stage_round_by_r
     slower = [1.03, 1.05] * 6                     # slower in every round: beyond the noise
     (check,) = peers.goal_check(rows, steps(slower))
     assert check["best_peer"] == "fsdp2-no-reshard" and check["versus_best_peer"]["ci_low"] > 1.0
-    assert check["time_ok"] is False and not check["holds"] and peers._time_verdict(check) == "**slower**"
+    assert check["time_ok"] is False and not check["holds"] and time_verdict(check) == "**slower**"
     assert check["peers_with_all_three"] == ["fsdp2-no-reshard"]   # DeepSpeed moves 3Ψ
 
     tie = [0.97, 1.03] * 6                        # as often ahead as behind: a tie within the noise
     (check,) = peers.goal_check(rows, steps(tie))
     assert check["time_ok"] and check["elements_exact"] and check["bytes_ok"] and check["holds"]
-    assert peers._time_verdict(check) == "as fast" and check["peers_with_all_three"] == ["fsdp2-no-reshard"]
+    assert time_verdict(check) == "as fast" and check["peers_with_all_three"] == ["fsdp2-no-reshard"]
 
     faster = [0.95, 0.97] * 6
     (check,) = peers.goal_check(rows, steps(faster))
-    assert peers._time_verdict(check) == "faster" and check["peers_with_all_three"] == [] and check["holds"]
+    assert time_verdict(check) == "faster" and check["peers_with_all_three"] == [] and check["holds"]
 
     rows[-1]["live_B_per_param"] = 10.6           # above formula + allowance
     assert not peers.goal_check(rows, steps(faster))[0]["holds"]
+
+
+def test_a_time_verdict_must_hold_in_every_block_of_fresh_processes():
+    """Two blocks of 6 rounds. A process set keeps a speed of its own: zero-ref's processes 15% slow
+    in one block and not in the other is no verdict; slow in both is."""
+    def steps(*blocks):
+        out = []
+        for block, factors in enumerate(blocks):
+            for i, factor in enumerate(factors):
+                for name, step in (("ddp", 0.8), ("zero-redundancy-optimizer", 0.9), ("zero-ref-1", 0.9 * factor)):
+                    out.append({"world_size": 2, "group": 1, "block": block, "contender": name,
+                                "round": 6 * block + i, "step_s": step * (1 + 0.1 * (i % 3))})
+        return pd.DataFrame(out)
+
+    slow, tie, fast = [1.15, 1.17] * 3, [0.97, 1.03] * 3, [0.93, 0.95] * 3
+    one_slow_block = peers.not_slower(steps(slow, tie), 2, 1, "zero-ref-1", "zero-redundancy-optimizer")
+    assert [b["ci_low"] > 1.0 for b in one_slow_block["blocks"]] == [True, False]
+    assert one_slow_block["ok"] and one_slow_block["ci_low"] == pytest.approx(0.97)
+    assert one_slow_block["ci_high"] == pytest.approx(1.17) and one_slow_block["rounds"] == 12
+    assert [b["median"] for b in one_slow_block["blocks"]] == pytest.approx([1.16, 1.0])
+    assert not peers.not_slower(steps(slow, slow), 2, 1, "zero-ref-1", "zero-redundancy-optimizer")["ok"]
+    both_fast = peers.not_slower(steps(fast, fast), 2, 1, "zero-ref-1", "zero-redundancy-optimizer")
+    assert both_fast["ok"] and both_fast["ci_high"] < 1.0
+    assert time_verdict({"versus_best_peer": both_fast}) == "faster"
+    assert time_verdict({"versus_best_peer": one_slow_block}) == "as fast"
+
+
+def test_blocks_split_the_work_and_ddp_must_repeat_itself_in_every_block():
+    assert peer_runs.split(20, 2) == [10, 10] and peer_runs.split(7, 3) == [3, 2, 2] and peer_runs.split(1, 1) == [1]
+    run = {0: [8.0, 8.1], 1: [7.9, 8.0]}
+    assert peer_runs.repeatable([run, dict(run), {0: [8.0, 8.1]}])
+    assert not peer_runs.repeatable([run, {0: [8.0, 8.1], 1: [7.9, 8.000001]}])
 
 
 def test_losses_must_equal_ddps_in_the_first_steps_and_later_drift_is_reported():
     ddp = {s: [8.0 - 0.01 * s, 8.1 - 0.01 * s] for s in range(22)}
     # the drift measured at world 4: 1 ulp early, round-off grown by Adam to 3e-5 by the last steps
     drift = {s: [a + (2.4e-7 if s < peers.FIRST_STEPS else 3e-5 * s / 21), b] for s, (a, b) in ddp.items()}
-    first, everywhere = peers.loss_differences(drift, ddp)
+    first, everywhere = peer_runs.loss_differences(drift, ddp)
     assert first == pytest.approx(2.4e-7) and everywhere == pytest.approx(3e-5)
     assert first <= peers.LOSS_TOLERANCE < everywhere
     # a difference in the work itself (DeepSpeed's default clipping: 1.4e-4 by the fourth step) fails
     clipped = {s: [a, b + (1.4e-4 if s >= 3 else 0.0)] for s, (a, b) in ddp.items()}
-    assert peers.loss_differences(clipped, ddp)[0] > peers.LOSS_TOLERANCE
-    assert peers.loss_differences(ddp, ddp) == (0.0, 0.0)
+    assert peer_runs.loss_differences(clipped, ddp)[0] > peers.LOSS_TOLERANCE
+    assert peer_runs.loss_differences(ddp, ddp) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -141,6 +177,8 @@ def test_losses_must_equal_ddps_in_the_first_steps_and_later_drift_is_reported()
     (["--warmup", "1"], "--warmup must be >= 2"),
     (["--world-size", "3"], "--batch 16 must be divisible by every --world-size, not by 3"),
     (["--steps", "2", "--rounds", "3"], "--rounds 3 must be <= --steps 2"),
+    (["--steps", "4", "--blocks", "5"], "--blocks 5 must be <= --rounds 4"),
+    (["--blocks", "0"], "--blocks must be >= 1"),
 ])
 def test_bad_input_names_the_flag_and_what_is_allowed(argv, message, capsys):
     with pytest.raises(SystemExit):
