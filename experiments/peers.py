@@ -222,7 +222,7 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
     """For `zero-ref reproduce`: the default run (quick: world 2, GPT-2 2x64, 4 timed steps, eight
     contenders); one headline row per world size and stage."""
     argv = ["--out", str(out)] + (["--quiet"] if quiet else [])
-    if not quick:   # every contender at world 2 and 4, 20 timed steps (rounds) each: about 15 minutes on 2 cores
+    if not quick:   # every contender at world 2 and 4, 20 timed steps (rounds) each in 2 blocks: 21 minutes on 2 cores
         argv += ["--steps", "20"]
     if quick:   # one peer of each kind beside zero-ref's stages: about 2 minutes on 2 idle cores
         argv += ["--world-size", "2", "--steps", "4", "--layers", "2", "--hidden", "64", "--vocab", "512",
