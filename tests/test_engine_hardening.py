@@ -5,7 +5,8 @@ torch.optim.AdamW's exact answer or a clear error on every rank.
 1. step() twice with no backward in between; 2. two backwards before one step; 3. a forward whose
 module order depends on the data (differs between ranks); 4. a parameter used outside the module
 that owns it; 5. a checkpoint corrupted on one rank only; plus a bare loss.backward(), a model with
-unused parameters, and buckets that follow the order gradients arrive in.
+unused parameters, a parameter whose .data is replaced on one rank, and buckets that follow the
+order gradients arrive in.
 """
 
 from pathlib import Path
@@ -79,6 +80,20 @@ def hardening(rank: int, world: int, folder: str) -> dict:
             engine.zero_grad()
             train(engine, batches[2:], rank, world)
             out["bare", stage] = bare, refused, engine.full_state_dict()
+
+        # a parameter's .data replaced on the last rank only (as Module.to(dtype) does): step refuses
+        with zero_ref.initialize(Layered(layers=3), cfg(stage)) as engine:
+            train(engine, batches[:2], rank, world)
+            if rank == world - 1:
+                engine.module.layers[1].weight.data = torch.zeros_like(engine.module.layers[1].weight)
+            part = local(batches[2], rank, world)
+            engine.backward(lm_loss(engine(part), part))
+            before, error = engine.full_state_dict(), None
+            try:
+                engine.step()
+            except RuntimeError as err:
+                error = str(err)
+            out["replaced", stage] = error, _equal(before, engine.full_state_dict())
 
         # 5: a checkpoint whose shard is corrupted on the last rank only
         with zero_ref.initialize(AwkwardNet(), cfg(stage)) as engine:
@@ -170,6 +185,21 @@ def test_bare_backward_raises_everywhere_and_zero_grad_recovers(runs):
             assert bare is not None and "engine.backward(loss)" in bare, stage
             assert refused is not None and "zero_grad" in refused, stage
             assert state_error(state, ref) < ATOL, stage
+
+
+def test_a_parameter_replaced_on_one_rank_stops_the_step_on_every_rank(runs):
+    """The model would read the replacement while the optimizer updates the engine's storage:
+    silently wrong from then on. Every rank refuses the step, updates nothing and says why."""
+    world, ranks = runs
+    for stage in STAGES:
+        for rank, rank_out in enumerate(ranks):
+            error, unchanged = rank_out["replaced", stage]
+            assert error is not None and "replaced after initialize" in error, (stage, rank)
+            assert unchanged, (stage, rank)
+            if rank == world - 1:
+                assert "on this rank: 'layers.1.weight' (now float32, storage of its own)" in error, stage
+            else:
+                assert "on another rank" in error, (stage, rank)
 
 
 def test_checkpoint_corrupted_on_one_rank_changes_nothing_anywhere(runs):

@@ -68,8 +68,9 @@ SAVE = {2: 2, 3: 3}   # world size -> the stage whose checkpoint is consolidated
 EXPERT = re.compile(r"experts\.expert_\d+$")
 
 
-def build(arch: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny model of `arch` built from its config (nothing downloaded), dropout and router noise off."""
+def build(arch: str, seed: int = 0, **switch_config) -> torch.nn.Module:
+    """A tiny model of `arch` built from its config (nothing downloaded), dropout and router noise off;
+    `switch_config`: more SwitchTransformersConfig fields."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -89,7 +90,8 @@ def build(arch: str, seed: int = 0) -> torch.nn.Module:
         config = tf.SwitchTransformersConfig(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=96, num_heads=4,
                                              num_layers=2, num_decoder_layers=2, num_sparse_encoder_layers=1,
                                              num_sparse_decoder_layers=1, num_experts=4, expert_capacity=6,
-                                             router_jitter_noise=0.0, dropout_rate=0.0, decoder_start_token_id=0)
+                                             router_jitter_noise=0.0, dropout_rate=0.0, decoder_start_token_id=0,
+                                             **switch_config)
         return tf.SwitchTransformersForConditionalGeneration(config)
     raise ValueError(arch)
 
@@ -181,6 +183,35 @@ def _run_engine(rank: int, world: int, arch: str, stage: int, group, save: str |
     return result
 
 
+def _switch_bf16(rank: int, world: int, stage: int, group, router_dtype: str | None) -> dict:
+    """Switch Transformers with the engine in bf16. Its router casts its classifier to router_dtype
+    (float32 by default) with Module.to in every forward, which replaces the weight's .data: the
+    step must refuse on every rank. With router_dtype="bfloat16" the cast changes nothing and the
+    router trains: it moved, and the module's weight is the engine's (full_state_dict's fp32 master
+    rounded to bf16)."""
+    import zero_ref
+    from zero_ref.models import lm_loss
+
+    config = zero_ref.ZeroConfig(stage=stage, dtype="bf16", lr=LR, weight_decay=WEIGHT_DECAY, bucket_numel=20_000,
+                                 kernels="torch", comm_timeout_s=60)
+    model = build("switch", **({"router_dtype": router_dtype} if router_dtype else {}))
+    name = "encoder.block.1.layer.1.mlp.router.classifier.weight"
+    weight = model.get_parameter(name)
+    engine = zero_ref.initialize(model, config, process_group=group)
+    initial = engine.full_state_dict()[name].float()
+    try:
+        for tokens in _batches(rank, world):
+            engine.backward(lm_loss(lm_logits(engine, "switch", tokens), tokens))
+            engine.step()
+    except RuntimeError as err:
+        return {"error": str(err)}
+    final = engine.full_state_dict()[name].float()
+    engine.close()
+    return {"error": None, "moved": (final - initial).abs().max().item(), "dtype": weight.dtype,
+            "module_vs_engine": (weight.detach().float() - final.bfloat16().float()).abs().max().item()
+            if stage < 3 else None}   # stage 3 frees the weight between forwards
+
+
 def _consolidate(checkpoint: str, out: str, arch: str) -> dict:
     """`zero-ref consolidate CHECKPOINT OUT` (the command's code, in this process, which has
     transformers imported already), then from_pretrained on OUT/hf. On global rank 0: while
@@ -216,6 +247,9 @@ def _all_cases(rank: int, world: int, folder: str) -> dict:
             for stage in range(4):
                 save = ckpt(arch, 2) if stage == SAVE[2] else None
                 results[("zero", 2, arch, stage)] = _run_engine(rank, 2, arch, stage, pair, save)
+        for stage in (1, 3):
+            for router_dtype in (None, "bfloat16"):
+                results[("switch_bf16", stage, router_dtype)] = _switch_bf16(rank, 2, stage, pair, router_dtype)
     for arch in ARCHS:
         results[("ddp", 3, arch)] = _run_ddp(rank, 3, arch, None)
         results[("zero", 3, arch, 3)] = _run_engine(rank, 3, arch, 3, None, ckpt(arch, 3))
@@ -287,6 +321,19 @@ def test_switch_experts_go_without_gradients(runs):
         no_rank = [sorted(experts - set.union(*ranks)) for ranks in per_step]
         assert any(some_ranks), (world, per_step)
         assert any(no_rank), (world, per_step)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_switch_in_bf16_refuses_the_routers_fp32_cast_and_trains_with_a_bf16_router(runs, stage):
+    """In bf16 the Switch router's classifier.to(float32) would leave the module reading a copy the
+    optimizer never updates: every rank says so. With router_dtype="bfloat16" it trains."""
+    for out in runs[("switch_bf16", stage, None)]:
+        assert out["error"] and "replaced after initialize" in out["error"], out
+        assert "router.classifier.weight' (now float32" in out["error"] and "router_dtype='bfloat16'" in out["error"]
+    for out in runs[("switch_bf16", stage, "bfloat16")]:
+        assert out["error"] is None and out["dtype"] == torch.bfloat16, out
+        assert out["moved"] > 1e-3, out   # about lr per step in the first steps
+        assert stage == 3 or out["module_vs_engine"] == 0.0, out
 
 
 @pytest.mark.parametrize("world", sorted(SAVE))

@@ -156,6 +156,9 @@ class BucketedStage(Stage):
         while self.pending:
             self.pending.pop(0).wait()
 
+    def param_buffer(self, g: int) -> torch.Tensor:
+        return self.layout.full_slice(self.flat_params, g)
+
     # --- what subclasses provide -----------------------------------------------------------------
     def _lay_out(self, order: list[nn.Parameter]) -> None:
         raise NotImplementedError

@@ -24,7 +24,7 @@ sharded and what moves. The step contract:
                              gradients during it (stages 0-1: only on the step's last micro-batch)
     engine.step()            at a step boundary: gradient norm and overflow flag (one fused pass),
                              one small all-reduce of [sum of squares, flag, which parameters got a
-                             gradient] and one host sync, skip on every rank alike if non-finite,
+                             gradient, how many left the stage's buffers] and one host sync, skip on every rank alike if non-finite,
                              clip, fused AdamW on this rank's segments of the parameters that got
                              a gradient, regather, clear gradients. True when the parameters changed.
 
@@ -42,6 +42,12 @@ compute and communication waits (experiments/throughput.py).
 * A bare `loss.backward()` reaches the engine's gradient hooks outside `engine.backward` and
   raises RuntimeError there (it would skip the loss scale and the reductions); the engine then
   refuses to step until `engine.zero_grad()` discards the gradients accumulated since the last step.
+* After `initialize` every trainable parameter is a view of the stage's flat buffers. Code that
+  replaces a parameter's `.data` (`Module.to(dtype)` to another dtype, `.float()`, `param.data = t`;
+  Hugging Face's Switch Transformers router does so in every forward when the model is not in
+  `router_dtype`) leaves the model reading a tensor the optimizer never updates: `step()` checks
+  every parameter and, if any rank finds one, raises RuntimeError on every rank before anything is
+  updated. Write values with `param.data.copy_(...)` instead.
 """
 
 from __future__ import annotations
@@ -258,10 +264,12 @@ class ZeroEngine:
         except ValueError as err:   # raised below on every rank alike, after the statistics
             hyper, hyper_error = None, err
         # [sum of squares, non-finite flag, one 0/1 per parameter: did it get a gradient?, the
-        # hyper-parameters' agreement fingerprint], summed over the ranks in one small all-reduce
-        # (gradients replicated on every rank, stage 0: only rank 0's sum of squares and flag enter
-        # the sum), then read on the host: the step's one sync.
-        agree = agreement_stats(hyper)
+        # hyper-parameters' agreement fingerprint, how many parameters left the stage's buffers],
+        # summed over the ranks in one small all-reduce (gradients replicated on every rank, stage
+        # 0: only rank 0's sum of squares and flag enter the sum), then read on the host: the
+        # step's one sync.
+        detached = stage.detached()
+        agree = [*agreement_stats(hyper), float(len(detached))]
         stats = torch.cat([self._grad_stats(grads), stage.used_mask(agree)])
         self._sum_stats(stats)
         # meta tensors (the engine at scale, at_scale.py) have no values: step as if every gradient
@@ -273,7 +281,9 @@ class ZeroEngine:
             sum_sq, nonfinite, used = 0.0, 0.0, [1.0] * n_used
         else:
             sum_sq, nonfinite, *rest = stats.tolist()
-            used, summed_agree = rest[:n_used], rest[n_used:]
+            used, summed_agree, detached_anywhere = rest[:n_used], rest[n_used:-1], rest[-1]
+            if detached_anywhere:
+                raise RuntimeError(self._detached_message(detached))
             # a fake group (at_scale.py) sums nothing: every "sum" is this rank's own values
             problem = agreement(summed_agree, 1 if self.comm.backend == "fake" else self.comm.world_size)
             if problem:
@@ -297,6 +307,20 @@ class ZeroEngine:
         self.scaler.update(found_overflow=False, step=self.global_step + self._skipped_steps + 1)
         self.global_step += 1
         return True
+
+    def _detached_message(self, detached: list[nn.Parameter]) -> str:
+        """Why step refuses, on every rank, when a parameter's .data was replaced on any rank."""
+        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
+        here = ", ".join(f"{names.get(id(p), '?')!r} (now {str(p.dtype).removeprefix('torch.')}, storage of its "
+                         "own)" for p in detached)
+        where = f"on this rank: {here}" if here else "on another rank"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (f"zero-ref's parameters were replaced after initialize ({where}): something set their .data "
+                "(Module.to(dtype), .float(), .half(), param.data = ...), so the model no longer reads the values "
+                "the optimizer updates. Nothing was updated on any rank. Keep every trainable parameter in the "
+                f"engine's dtype ({dtype}) and write values with param.data.copy_(...) instead. Hugging Face's Switch "
+                "Transformers router calls self.classifier.to(router_dtype) in every forward: give it "
+                f"SwitchTransformersConfig(router_dtype='{dtype}').")
 
     def _grad_stats(self, grads: list[torch.Tensor], fp64: bool = False) -> torch.Tensor:
         """[sum of squares, non-finite flag] of this rank's gradients as they enter the sums over

@@ -335,6 +335,9 @@ class Stage3(Stage):
         self.buckets.discard()   # what a backward that raised left behind
         self.flat_grad_shard.zero_()
 
+    def param_buffer(self, g: int) -> torch.Tensor:
+        return self.full_params[g]
+
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [self.flat_param_shard, *self.full_params], "grads": [self.flat_grad_shard],
                 "optimizer_states": self.optimizer.state_tensors(), "comm_buffers": self.buckets.buffers()}

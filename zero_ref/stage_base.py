@@ -142,6 +142,25 @@ class Stage:
         self.comm.all_gather(full, self.optimizer.masters[g].contiguous(), in_step=False)
         return full
 
+    def param_buffer(self, g: int) -> torch.Tensor:
+        """Group g's full parameter buffer: every parameter of the group is a view of it (stage 3:
+        its storage is freed between uses)."""
+        raise NotImplementedError
+
+    def detached(self) -> list[nn.Parameter]:
+        """The trainable parameters that are no longer views of their place in the stage's buffers:
+        something replaced their `.data` after initialize (``Module.to(dtype)``, ``.float()``,
+        ``param.data = ...``). The optimizer would update values the model no longer reads."""
+        out = []
+        for g, group in enumerate(self.groups):
+            home = self.param_buffer(g)
+            storage, offset = home.untyped_storage()._cdata, home.storage_offset()
+            for param, start, _ in group.param_ranges():
+                if (param.dtype != home.dtype or param.untyped_storage()._cdata != storage
+                        or param.storage_offset() != offset + start):
+                    out.append(param)
+        return out
+
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The live tensors this stage holds, by category: params, grads, optimizer_states and
         comm_buffers (constant-size buckets that outlive one reduction)."""
