@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from experiments.bench import baseline_file
 from experiments.bench_scaling import MODELS, THRESHOLD, BenchSpec
 from zero_ref.launch import RankPool
 
@@ -93,10 +94,9 @@ def baseline(request) -> dict:
     path = request.config.getoption("--gate-baseline")
     if path == "none":
         return {}
-    if path is None:
-        found = sorted((ROOT / "results" / "benchmarks").glob("*/*_baseline.json"), key=lambda p: p.stat().st_mtime)
-        if not found:
+    if path is None:   # the newest by its number, as `zero-ref bench` picks it (a clone's mtimes say nothing)
+        path = baseline_file(ROOT / "results" / "benchmarks")
+        if path is None:
             return {}
-        path = found[-1]
     with open(path) as f:
         return {b["name"]: b["extra_info"] for b in json.load(f)["benchmarks"]}
