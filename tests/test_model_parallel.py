@@ -196,6 +196,39 @@ def test_model_parallel_model_built_on_meta_trains_like_the_eager_one():
         assert all(torch.equal(meta_end[k], eager_end[k]) for k in eager_end)
 
 
+def replaced_on_one_rank(rank: int, world: int):
+    """Stages 1 and 3 on MP=2 x DP=2: one step, then global rank 3 alone (DP rank 1, MP rank 1)
+    replaces a weight's .data; what the next step() raises on each rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "mp"))
+    out = {}
+    for stage in (1, 3):
+        with mp_engine(stage, None, mesh) as engine:
+            run_steps(engine, mesh.get_group("dp"), batches()[:1])
+            if rank == 3:
+                weight = engine.module.blocks[0].fc.weight
+                weight.data = torch.zeros_like(weight)
+            loss = engine(batches()[1].chunk(2)[dist.get_rank(mesh.get_group("dp"))])
+            engine.backward(loss)
+            try:
+                engine.step()
+                out[stage] = None
+            except RuntimeError as err:
+                out[stage] = str(err)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_parameter_replaced_on_one_model_parallel_rank_stops_every_rank():
+    """The count of replaced parameters is summed over the MP ranks too: the other MP rank's DP
+    group, which found nothing, must not update alone."""
+    for rank, result in enumerate(spawn(replaced_on_one_rank, 4, timeout=100)):
+        for stage, error in result.items():
+            assert error and "replaced after initialize" in error, (rank, stage)
+            assert ("on this rank: 'blocks.0.fc.weight'" in error) == (rank == 3), (rank, stage, error)
+
+
 def count_and_errors(rank: int, world: int):
     """Elements moved per block (the ZeRO-R study's count, at the dispatcher, MP = 2) and what
     initialize says about meshes it cannot use."""

@@ -24,9 +24,10 @@ sharded and what moves. The step contract:
                              gradients during it (stages 0-1: only on the step's last micro-batch)
     engine.step()            at a step boundary: gradient norm and overflow flag (one fused pass),
                              one small all-reduce of [sum of squares, flag, which parameters got a
-                             gradient, how many left the stage's buffers] and one host sync, skip on every rank alike if non-finite,
-                             clip, fused AdamW on this rank's segments of the parameters that got
-                             a gradient, regather, clear gradients. True when the parameters changed.
+                             gradient, how many left the stage's buffers] and one host sync, skip
+                             on every rank alike if non-finite, clip, fused AdamW on this rank's
+                             segments of the parameters that got a gradient, regather, clear
+                             gradients. True when the parameters changed.
 
 Phases are labelled for torch.profiler (record_function, made only while a profiler records:
 comm.label): "zero_ref.forward", "zero_ref.backward",
@@ -266,15 +267,15 @@ class ZeroEngine:
         # [sum of squares, non-finite flag, one 0/1 per parameter: did it get a gradient?, the
         # hyper-parameters' agreement fingerprint, how many parameters left the stage's buffers],
         # summed over the ranks in one small all-reduce (gradients replicated on every rank, stage
-        # 0: only rank 0's sum of squares and flag enter the sum), then read on the host: the
-        # step's one sync.
+        # 0: only rank 0's sum of squares and flag enter the sum; the first two and the last over
+        # the MP ranks too), then read on the host: the step's one sync.
         detached = stage.detached()
-        agree = [*agreement_stats(hyper), float(len(detached))]
-        stats = torch.cat([self._grad_stats(grads), stage.used_mask(agree)])
-        self._sum_stats(stats)
+        extra = [*agreement_stats(hyper), float(len(detached))]
+        stats = torch.cat([self._grad_stats(grads), stage.used_mask(extra)])
+        self._sum_stats(stats, mp_slots=[0, 1, -1])
         # meta tensors (the engine at scale, at_scale.py) have no values: step as if every gradient
         # were present and finite, so that the update makes its real allocations
-        n_used = len(stats) - 2 - len(agree)
+        n_used = len(stats) - 2 - len(extra)
         if stats.is_meta:
             if hyper_error:
                 raise hyper_error
@@ -337,15 +338,16 @@ class ZeroEngine:
             stats[0] -= self._replicated_share(measure(self._replicated_pieces(grads))[0])
         return stats
 
-    def _sum_stats(self, stats: torch.Tensor) -> None:
-        """Sum the step's statistics over the data-parallel ranks, then sum of squares and flag
-        over the MP ranks."""
+    def _sum_stats(self, stats: torch.Tensor, mp_slots: slice | list[int] = slice(0, 2)) -> None:
+        """Sum the step's statistics over the data-parallel ranks, then the entries at `mp_slots`
+        over the MP ranks: the sum of squares and the flag (and, in step's statistics, the count of
+        replaced parameters, so that one MP rank's finding stops every rank)."""
         if self.comm.world_size > 1:
             self.comm.all_reduce(stats, "sum")
         if self.mp_comm is not None:
-            head = stats[:2].clone()
+            head = stats[mp_slots].clone()
             self.mp_comm.all_reduce(head, "sum")
-            stats[:2] = head
+            stats[mp_slots] = head
 
     def _replicated_pieces(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's gradient pieces of parameters replicated across the MP group."""
