@@ -358,16 +358,12 @@ class PeerRank:
         self.contender = CONTENDERS[name]
         batches = token_batches(setup.vocab, setup.batch, setup.seq, rank, world_size, seed=setup.seed + 1)
         self.batches = [next(batches)[1] for _ in range(setup.steps)]   # made first: not counted
-        self.build()
-
-    def build(self) -> None:
-        """(Re)build the contender from the initial weights: step 0 comes next, bytes recorded."""
-        self.system = None
+        # the contender from the initial weights, every allocation recorded from here on
         self.live = LiveBytes()
         self.live.start(already_alive=self.batches)   # the data is the harness's, not the contender's
-        model = self.setup.model()
+        model = setup.model()
         self.psi = unique_numel(model)
-        self.system = build(self.contender, model, self.setup, self.world_size)
+        self.system = build(self.contender, model, setup, world_size)
         dist.barrier()
         self.built_bytes = self.live.live()
 
