@@ -38,51 +38,58 @@ LINK_SIZES = (2**14, 2**16, 2**18, 2**20, 2**22)
 
 
 def compute_rates(vocab: int, seq: int = SEQ, tokens=GRID_TOKENS, hiddens=GRID_HIDDEN, reps: int = 5,
-                  sync=lambda: None) -> dict[str, dict]:
-    """FLOP/s of a block's and of the head's forward and backward at each (tokens, hidden), fp32,
-    at this process's thread count: {"block_forward": {(tokens, hidden): FLOP/s}, ...}. ``sync()``
-    runs before each measurement (a barrier, when several ranks measure at once)."""
+                  sync=lambda: None, device: torch.device = torch.device("cpu"),
+                  dtype: torch.dtype = torch.float32) -> dict[str, dict]:
+    """FLOP/s of a block's and of the head's forward and backward at each (tokens, hidden) in
+    ``dtype`` on ``device`` (the CPU: at this process's thread count): {"block_forward":
+    {(tokens, hidden): FLOP/s}, ...}. ``sync()`` runs before each measurement (a barrier, when
+    several ranks measure at once)."""
     from experiments.bench_kernels import median_seconds
     from zero_ref.models import ParallelGPTBlock
 
-    cpu = torch.device("cpu")
     rates = {name: {} for name in ("block_forward", "block_backward", "head_forward", "head_backward")}
     for hidden in hiddens:
-        block = ParallelGPTBlock(hidden, hidden // 64, None, iter(range(10)))
-        embedding = torch.randn(vocab, hidden, requires_grad=True)
+        block = ParallelGPTBlock(hidden, hidden // 64, None, iter(range(10))).to(device, dtype)
+        embedding = torch.randn(vocab, hidden, device=device, dtype=dtype, requires_grad=True)
         for t in tokens:
-            x = torch.randn(t // seq, seq, hidden, requires_grad=True)
-            labels = torch.randint(0, vocab, (t // seq, seq))
+            x = torch.randn(t // seq, seq, hidden, device=device, dtype=dtype, requires_grad=True)
+            labels = torch.randint(0, vocab, (t // seq, seq), device=device)
             parts = {"block": lambda: block(x).sum(),
                      "head": lambda: F.cross_entropy(F.linear(x, embedding).flatten(0, 1), labels.flatten())}
             flops = pm.training_flops(1, hidden, seq, vocab, t // seq, recompute=False)
             forward_flops = {"block": flops["forward"], "head": flops["head"] / 3}
             for part, run in parts.items():
                 sync()
-                forward = median_seconds(run, cpu, reps, warmup=1)
+                forward = median_seconds(run, device, reps, warmup=1)
                 sync()
-                both = median_seconds(lambda: run().backward(), cpu, reps, warmup=1)
+                both = median_seconds(lambda: run().backward(), device, reps, warmup=1)
                 rates[f"{part}_forward"][(t, hidden)] = forward_flops[part] / forward
                 rates[f"{part}_backward"][(t, hidden)] = 2 * forward_flops[part] / max(both - forward, 1e-9)
     return rates
 
 
-def step_rate(group, width: int = 1024, reps: int = 9, sync=lambda: None) -> float:
+def step_rate(group, width: int = 1024, reps: int = 9, sync=lambda: None, device: torch.device | None = None,
+              dtype: str = "fp32") -> float:
     """Elements per second of the engine's whole optimizer step (gradient norm and overflow check,
-    AdamW, clearing the gradients) over ``group`` (here: this rank alone), stage 0, fp32, on a model
-    unlike the timed ones (four 1024 x 1024 linear layers)."""
+    AdamW, clearing the gradients) over ``group`` (here: this rank alone), stage 0, ``dtype``, on a
+    model unlike the timed ones (four ``width`` x ``width`` linear layers); on ``device`` (None: the
+    CPU), timed to the end of its kernels."""
     import zero_ref
 
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4)))
     params = sum(p.numel() for p in model.parameters())
-    engine = zero_ref.initialize(model, zero_ref.ZeroConfig(stage=0, bucket_numel=width * width), group)
-    x = torch.randn(8, width)
+    config = zero_ref.ZeroConfig(stage=0, dtype=dtype, bucket_numel=width * width)
+    engine = zero_ref.initialize(model, config, group, device=device)
+    x = torch.randn(8, width, device=device)
+    done = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     times = []
     for _ in range(reps + 2):
         engine.backward(engine(x).square().mean())
         sync()
+        done()
         start = time.perf_counter()
         engine.step()
+        done()
         times.append(time.perf_counter() - start)
     engine.close()
     return params / statistics.median(times[2:])

@@ -1,0 +1,111 @@
+"""A CUDA device measured for the performance model, and the model checked against the GPU's timed run.
+
+Two parts, both run by ``experiments/gpu_check.sh``:
+
+* ``measure`` (one rank under ``torchrun``, NCCL): ``calibrate.compute_rates`` in bf16 on the
+  device, over a (tokens, hidden) grid at the timed run's sequence length and vocabulary, and
+  ``calibrate.step_rate``, the engine's whole bf16 optimizer step (norm, fused AdamW, clearing
+  gradients) per element -> ``<out>/calibration.json``. The same measurements as the CPU
+  calibration, so ``throughput_study.predicted`` reads either.
+* ``compare`` (anywhere, also here after the run came back): for each row of
+  ``<out>/throughput/throughput.csv``, the model's phases (forward, backward, optimizer step) and
+  whole step against the timed ones -> ``<out>/model_vs_measured.csv``. At world size 1 no
+  collective runs, so this checks the compute and optimizer terms alone.
+
+Usage: ``torchrun --standalone --nproc_per_node 1 experiments/gpu_calibrate.py measure --out results/gpu``
+then ``python experiments/gpu_calibrate.py compare --out results/gpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GRID_TOKENS = (1024, 2048, 4096, 8192, 16384)
+GRID_HIDDEN = (1024, 2048, 4096)
+SEQ, VOCAB = 1024, 50257            # the timed run's shape (gpu_check.sh: GPT-2 24 x 1024)
+
+
+def measure(out: Path, reps: int) -> dict:
+    """Measure the rates on this rank's CUDA device; write and return the calibration."""
+    import torch
+    import torch.distributed as dist
+
+    from experiments import calibrate
+
+    dist.init_process_group("nccl")
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    start = time.perf_counter()
+    rates = calibrate.compute_rates(VOCAB, SEQ, GRID_TOKENS, GRID_HIDDEN, reps, device=device, dtype=torch.bfloat16)
+    adamw = calibrate.step_rate(None, width=4096, reps=reps, device=device, dtype="bf16")
+    cal = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "dtype": "bf16",
+           "seq": SEQ, "vocab": VOCAB, "worlds": [1],
+           "rates": {"1": {name: {f"{t},{h}": rate for (t, h), rate in points.items()}
+                           for name, points in rates.items()}},
+           "adamw": {"1": adamw}, "seconds": time.perf_counter() - start}
+    dist.destroy_process_group()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "calibration.json").write_text(json.dumps(cal, indent=1))
+    for name, points in rates.items():
+        best = max(points, key=points.get)
+        print(f"{name}: {points[best] / 1e12:.0f} TFLOPS at best (tokens, hidden) = {best}, "
+              f"{min(points.values()) / 1e12:.0f} at worst")
+    print(f"optimizer step: {adamw / 1e9:.2f} G elements/s (bf16 engine, fp32 master)")
+    return cal
+
+
+def load_calibration(path: Path) -> dict:
+    """calibration.json in the form calibrate.cpu_cluster reads: {world: {name: {(t, h): FLOP/s}}}."""
+    raw = json.loads(path.read_text())
+    rates = {int(w): {name: {tuple(int(v) for v in key.split(",")): rate for key, rate in points.items()}
+                      for name, points in by_name.items()} for w, by_name in raw["rates"].items()}
+    return {**raw, "rates": rates, "adamw": {int(w): r for w, r in raw["adamw"].items()}, "links": {}}
+
+
+def compare(out: Path) -> list[dict]:
+    """Predicted against measured, per phase, for every timed run in ``out``/throughput."""
+    import pandas as pd
+
+    from experiments.throughput_study import predicted
+
+    cal = load_calibration(out / "calibration.json")
+    runs = pd.read_csv(out / "throughput" / "throughput.csv")
+    rows = []
+    for _, run in runs.iterrows():
+        if int(run["world_size"]) not in cal["rates"]:
+            continue
+        model = predicted(run.to_dict(), cal)
+        measured = {"forward": run["forward_s"], "backward": run["backward_s"], "step": run["step_s"],
+                    "whole step": run["median_step_s"]}
+        modelled = {**model.phases(), "whole step": model.seconds}
+        for phase, seconds in measured.items():
+            rows.append({"device": cal["device"], "layers": run["layers"], "hidden": run["hidden"],
+                         "batch": run["batch"], "seq": run["seq"], "stage": run["stage"], "dtype": run["dtype"],
+                         "phase": phase, "measured_s": seconds, "predicted_s": modelled[phase],
+                         "error": modelled[phase] / seconds - 1})
+    frame = pd.DataFrame(rows)
+    frame.to_csv(out / "model_vs_measured.csv", index=False)
+    print(frame.to_string(index=False))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", choices=("measure", "compare"))
+    parser.add_argument("--out", default="results/gpu", type=Path)
+    parser.add_argument("--reps", type=int, default=10, help="timed repeats per point (median)")
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"--reps {args.reps} must be >= 1")
+    measure(args.out, args.reps) if args.part == "measure" else compare(args.out)
+
+
+if __name__ == "__main__":
+    main()
