@@ -76,7 +76,7 @@ def step_rate(group, width: int = 1024, reps: int = 9, sync=lambda: None, device
     CPU), timed to the end of its kernels."""
     import zero_ref
 
-    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4)))
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4))).to(device)
     params = sum(p.numel() for p in model.parameters())
     config = zero_ref.ZeroConfig(stage=0, dtype=dtype, bucket_numel=width * width)
     engine = zero_ref.initialize(model, config, group, device=device)

@@ -101,14 +101,16 @@ def checks(rank: int, world: int, device_type: str) -> list[dict]:
                 engine.backward(_loss(engine, tokens))
                 engine.step()
             last_step = lambda: (engine.backward(_loss(engine, batches[-1])), engine.step())
-            syncs = _count_syncs(last_step) if cuda else last_step()
+            syncs, sync_sites = _count_syncs(last_step) if cuda else (last_step(), [])
             state = engine.full_state_dict()
             error = max((state[k] - ref[k]).abs().max().item() for k in ref)
             row("max |w - AdamW| after 6 fp32 steps", stage, f"{error:.2e}", "< 1e-4", error < 1e-4)
             if cuda:
-                row("host syncs in one step", stage, syncs, "1", syncs == 1)
+                row("host syncs in one step", stage, f"{syncs} ({'; '.join(sync_sites)})", "1", syncs == 1)
                 streams = _streams_of_a_step(engine, batches[0])
-                row("CUDA streams with kernels in one step", stage, streams, ">= 2 (compute + NCCL/side)", streams >= 2)
+                summary = "; ".join(f"stream {s}: {n} kernels, e.g. {name[:60]}" for s, (n, name) in streams.items())
+                row("CUDA streams with kernels in one step", stage, f"{len(streams)} ({summary})",
+                    ">= 2 (compute + NCCL/side)", len(streams) >= 2)
 
     for reduce_dtype in (None, "fp32"):
         for stage in (0, 2):
@@ -165,21 +167,32 @@ def _checkpoint_memory(device, row) -> None:
 
     shape = {"n_layer": 8, "n_embd": 256, "n_head": 8, "vocab_size": 512, "n_positions": 256}
     tokens = torch.randint(0, 512, (8, 256), device=device)
-    live, weights, prefetched = {}, {}, 0
+    live, weights, prefetched, packed, sites = {}, {}, 0, 0, {}
     for mode in ("plain", "pa_cpu"):
         model = ParallelGPT(**shape).to(device)
         checkpoints = checkpoint_blocks(model.blocks, mode)
         with zero_ref.initialize(model, zero_ref.ZeroConfig(stage=2)) as engine:
-            base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            cuda = device.type == "cuda"
+            if cuda:
+                torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+                before = _live_blocks(device)
+            base = torch.cuda.memory_allocated(device) if cuda else 0
             loss = engine(tokens)
-            added = torch.cuda.memory_allocated(device) - base if device.type == "cuda" else 0
+            added = torch.cuda.memory_allocated(device) - base if cuda else 0
+            if cuda:
+                try:
+                    sites[mode] = _allocation_sites(before, _live_blocks(device))
+                except (KeyError, TypeError) as err:     # a snapshot format this script does not know
+                    sites[mode] = f"(no sites: {err!r})"
+                torch.cuda.memory._record_memory_history(enabled=None)
             live[mode] = added, engine.memory_report()
+            packed = len(checkpoints._offloaded)
             engine.backward(loss)
             engine.step()
             weights[mode] = engine.full_state_dict()
             prefetched = checkpoints.prefetched
     difference = max((weights["plain"][k] - weights["pa_cpu"][k]).abs().max().item() for k in weights["plain"])
-    row(f"Pa+cpu (slices prefetched on a side stream: {prefetched}) trains like plain checkpoints: "
+    row(f"Pa+cpu (slices offloaded: {packed}, prefetched on a side stream: {prefetched}) trains like plain checkpoints: "
         "max weight difference after a step", 2, difference, f"<= 1e-6 (and {shape['n_layer'] - 1} prefetched)",
         difference <= 1e-6 and prefetched == shape["n_layer"] - 1)
     expected = shape["n_layer"] * tokens.numel() * shape["n_embd"] * 4
@@ -190,8 +203,35 @@ def _checkpoint_memory(device, row) -> None:
         (plain_report["activation_checkpoints"], offload_report["activation_checkpoints"],
          offload_report["activation_checkpoints_host"]) == (expected, 0, expected))
     if device.type == "cuda":
-        row("device bytes after forward: plain minus pa_cpu", 2, plain - offloaded, f"= {expected} (L x b x s x h fp32)",
+        row("device bytes after forward: plain minus pa_cpu", 2,
+            f"{plain - offloaded} (allocated in the forward and live after it: plain: {sites['plain']} | "
+            f"pa_cpu: {sites['pa_cpu']})", f"= {expected} (L x b x s x h fp32)",
             abs(plain - offloaded - expected) <= 0.02 * expected)
+
+
+def _live_blocks(device) -> dict:
+    """The allocator's live blocks on `device`, by address (from a memory snapshot)."""
+    live = {}
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        if segment.get("device") == (device.index or 0):
+            live.update({b["address"]: b for b in segment.get("blocks", []) if b.get("state") == "active_allocated"})
+    return live
+
+
+def _allocation_sites(before: dict, after: dict, top: int = 5) -> str:
+    """Blocks live in `after` but not in `before`, summed by where they were allocated (the innermost
+    Python frame outside torch), largest first."""
+    by_site = {}
+    for address, block in after.items():
+        if address in before:
+            continue
+        frames = block.get("frames", [])
+        frame = next((f for f in frames if "/torch/" not in f.get("filename", "")), frames[0] if frames else None)
+        site = f"{Path(frame.get('filename', '?')).name}:{frame.get('line')} {frame.get('name')}" if frame else "?"
+        count, total = by_site.get(site, (0, 0))
+        by_site[site] = (count + 1, total + block["size"])
+    ranked = sorted(by_site.items(), key=lambda item: -item[1][1])[:top]
+    return ", ".join(f"{site} {count} x {total / 2**20:.1f} MiB" for site, (count, total) in ranked) or "nothing"
 
 
 def _allocator_model(device, row) -> None:
@@ -231,21 +271,34 @@ def _allocator_model(device, row) -> None:
             f"{modelled} / {real}", "within 5%", real > 0 and abs(modelled - real) <= 0.05 * real)
 
 
-def _count_syncs(step) -> int:
-    """Synchronising CUDA calls made by `step()` (torch warns on each under sync debug mode 'warn')."""
+def _count_syncs(step) -> tuple[int, list[str]]:
+    """Synchronising CUDA calls made by `step()` (torch warns on each under sync debug mode 'warn'),
+    and where each came from: the innermost zero_ref frame of the Python stack at the warning."""
+    import traceback
+
+    where = []
+
+    def record(message, *args, **kwargs):
+        if "synchroniz" in str(message):
+            ours = [f for f in traceback.extract_stack() if "zero_ref" in f.filename or "triton_kernels" in f.filename]
+            frame = ours[-1] if ours else traceback.extract_stack()[-3]
+            where.append(f"{Path(frame.filename).name}:{frame.lineno} {frame.name}")
+
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return len(where), where
 
 
-def _streams_of_a_step(engine, tokens) -> int:
-    """How many CUDA streams ran kernels during one step (from the profiler's trace)."""
+def _streams_of_a_step(engine, tokens) -> dict:
+    """The CUDA streams that ran kernels during one step (from the profiler's trace): {stream:
+    (kernels, the name of the last one)}."""
     import json
 
     from torch.profiler import ProfilerActivity, profile
@@ -258,7 +311,12 @@ def _streams_of_a_step(engine, tokens) -> int:
         path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    return len({e["args"]["stream"] for e in events if e.get("cat") == "kernel" and "stream" in e.get("args", {})})
+    streams = {}
+    for e in events:
+        if e.get("cat") == "kernel" and "stream" in e.get("args", {}):
+            count, _ = streams.get(e["args"]["stream"], (0, ""))
+            streams[e["args"]["stream"]] = (count + 1, e.get("name", "?"))
+    return streams
 
 
 def _added_peak(device, work) -> int:

@@ -45,7 +45,9 @@ def _adamw_kernel(master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, n,
         m = g - (g - m) * (1.0 - weight1)
     v = v * beta2 + weight2 * g * g  # torch: mul_(beta2).addcmul_(g, g, value=1 - beta2)
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    p = p + tl.div_rn(-step_size * m, denom)  # torch's addcdiv: self + (value * t1) / t2
+    # torch's addcdiv: self + (value * t1) / t2 with value = -step_size. Written as a subtraction,
+    # the same bits in IEEE arithmetic (x + -y == x - y, (-s) * m == -(s * m)), and no negated scalar
+    p = p - tl.div_rn(step_size * m, denom)
 
     tl.store(master_ptr + offs, p, mask=mask)
     tl.store(exp_avg_ptr + offs, m, mask=mask)

@@ -135,7 +135,7 @@ class ActivationCheckpoints:
     def pack(self, full: torch.Tensor):
         """Keep this rank's slice of a block input (Pa: padded to ceil(n / Nm) elements; plain:
         all of it), in the arena's slot when there is one (MD), in host memory for Pa+cpu."""
-        if not full.is_floating_point():
+        if not full.is_floating_point() or full.numel() == 0:   # (torch <= 2.11 saves an empty dummy too)
             return full
         size, rank = (1, 0) if self.mode == "plain" else (group_size(self.group), group_rank(self.group))
         chunk = math.ceil(full.numel() / size)
