@@ -45,11 +45,12 @@ def measure(out: Path, reps: int) -> dict:
     start = time.perf_counter()
     rates = calibrate.compute_rates(VOCAB, SEQ, GRID_TOKENS, GRID_HIDDEN, reps, device=device, dtype=torch.bfloat16)
     adamw = calibrate.step_rate(None, width=4096, reps=reps, device=device, dtype="bf16")
+    issue = block_issue_times(device, reps)
     cal = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "dtype": "bf16",
            "seq": SEQ, "vocab": VOCAB, "worlds": [1],
            "rates": {"1": {name: {f"{t},{h}": rate for (t, h), rate in points.items()}
                            for name, points in rates.items()}},
-           "adamw": {"1": adamw}, "seconds": time.perf_counter() - start}
+           "adamw": {"1": adamw}, "block_issue": issue, "seconds": time.perf_counter() - start}
     dist.destroy_process_group()
     out.mkdir(parents=True, exist_ok=True)
     (out / "calibration.json").write_text(json.dumps(cal, indent=1))
@@ -58,7 +59,42 @@ def measure(out: Path, reps: int) -> dict:
         print(f"{name}: {points[best] / 1e12:.0f} TFLOPS at best (tokens, hidden) = {best}, "
               f"{min(points.values()) / 1e12:.0f} at worst")
     print(f"optimizer step: {adamw / 1e9:.2f} G elements/s (bf16 engine, fp32 master)")
+    for how, times in issue.items():
+        print(f"one block forward ({how}): issued in {1e3 * times['issue_s']:.3f} ms, "
+              f"kernels done at {1e3 * times['wall_s']:.3f} ms")
     return cal
+
+
+def block_issue_times(device, reps: int, tokens: int = 8192, hidden: int = 1024) -> dict:
+    """One block of the timed run's shape, forward with autograd recording, bare and as the timed
+    model runs it (torch.utils.checkpoint, plain): the host's time to issue it (until the call
+    returns; the kernels run on) and the time until its kernels are done, medians. Where the two
+    are equal the forward is bound by the host issuing kernels, not by the GPU running them."""
+    import statistics
+
+    import torch
+
+    from zero_ref.activations import checkpoint_blocks
+    from zero_ref.models import ParallelGPTBlock
+
+    blocks = torch.nn.ModuleList([ParallelGPTBlock(hidden, hidden // 64, None, iter(range(10)))])
+    blocks = blocks.to(device, torch.bfloat16)
+    x = torch.randn(tokens // SEQ, SEQ, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    times = {}
+    for how in ("bare", "checkpointed"):
+        if how == "checkpointed":
+            checkpoint_blocks(blocks, "plain")
+        issued, done = [], []
+        for rep in range(reps + 2):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            y = blocks[0](x)
+            issued.append(time.perf_counter() - start)
+            torch.cuda.synchronize(device)
+            done.append(time.perf_counter() - start)
+            del y
+        times[how] = {"issue_s": statistics.median(issued[2:]), "wall_s": statistics.median(done[2:])}
+    return times
 
 
 def load_calibration(path: Path) -> dict:
@@ -93,6 +129,12 @@ def compare(out: Path) -> list[dict]:
     frame = pd.DataFrame(rows)
     frame.to_csv(out / "model_vs_measured.csv", index=False)
     print(frame.to_string(index=False))
+    for _, run in runs.iterrows():
+        print(f"timed forward of {run['layers']} blocks and the head: {1e3 * run['forward_s'] / run['layers']:.3f} ms "
+              "per block, all told")
+    for how, times in cal.get("block_issue", {}).items():
+        print(f"one block forward ({how}): issued in {1e3 * times['issue_s']:.3f} ms, "
+              f"kernels done at {1e3 * times['wall_s']:.3f} ms")
     return rows
 
 
