@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The one prepared check for a CUDA machine (one H200, torch 2.11, triton 3.6, no internet, no pip).
 # Run from anywhere:  bash experiments/gpu_check.sh
-# Time: typically 4-5 minutes; every step has a timeout and the timeouts add up to 8.5 minutes.
+# Time: typically 4 minutes; every step has a timeout and the timeouts add up to 9.5 minutes.
 #   1. the kernel tests with Triton COMPILED (TRITON_INTERPRET=0; the tests also run torch on CUDA)
 #   2. the kernel benchmark at 1M..256M elements against torch's AdamW and the copy bandwidth
-#   3. engine smoke runs (world size 1, NCCL), one per stage (zero-ref train --device cuda), and one
-#      timed throughput run under torchrun (experiments/throughput.py)
+#   3. engine smoke runs (world size 1, NCCL), one per stage (zero-ref train --device cuda), and three
+#      timed throughput runs under torchrun (experiments/throughput.py)
 #   4. the performance model's compute and optimizer rates measured on the device, and its
 #      prediction of the timed run beside the measurement (experiments/gpu_calibrate.py)
 #   5. engine checks (experiments/gpu_engine_check.py, world size 1, NCCL): every stage exact
@@ -84,20 +84,25 @@ for stage in 0 1 2 3; do
     step "engine smoke, stage $stage (NCCL, world 1)" engine_smoke "$stage"
 done
 
-# --- a timed throughput run (experiments/throughput.py under torchrun, NCCL, world 1) ---
-# A 24 x 1024 GPT-2 (about 350M parameters), bf16, stage 2, plain checkpoints, 8 x 1024 tokens:
-# phases, TFLOPS per GPU (recomputation counted), peak memory, elements moved, in
-# results/gpu/throughput/throughput.csv: the GPU point beside the CPU runs the model was checked on.
+# --- timed throughput runs (experiments/throughput.py under torchrun, NCCL, world 1) ---
+# A 24 x 1024 GPT-2 (about 350M parameters), bf16, plain checkpoints, 1024 tokens a sequence, at
+# stage 2 with 8 and 2 sequences and at stage 3 with 8: phases, TFLOPS per GPU (recomputation
+# counted), peak memory, elements moved, in results/gpu/throughput/throughput.csv, the GPU points
+# the performance model is checked on (below).
 throughput_run() {
     timeout 40 torchrun --standalone --nproc_per_node 1 -m experiments.throughput --layers 24 --hidden 1024 \
-        --heads 16 --seq 1024 --vocab 50257 --batch 8 --stage 2 --dtype bf16 --steps 6 --warmup 2 \
-        --profile-steps 1 --out results/gpu/throughput 2>&1 | tee results/gpu/throughput.log
+        --heads 16 --seq 1024 --vocab 50257 --batch "$2" --stage "$1" --dtype bf16 --steps 10 --warmup 3 \
+        --profile-steps 1 --out results/gpu/throughput 2>&1 | tee -a results/gpu/throughput.log
 }
-step "throughput run (torchrun, NCCL, world 1)" throughput_run
+rm -f results/gpu/throughput.log results/gpu/throughput/throughput.csv
+for run in "2 8" "2 2" "3 8"; do
+    read -r stage batch <<< "$run"
+    step "throughput run, stage $stage, batch $batch (torchrun, NCCL, world 1)" throughput_run "$stage" "$batch"
+done
 
 # --- the performance model on this device (experiments/gpu_calibrate.py) ---
 # bf16 block and head rates over a (tokens, hidden) grid and the engine's optimizer step rate, then
-# the model's phases against the timed run above: results/gpu/calibration.json, model_vs_measured.csv.
+# the model's phases against the timed runs above: results/gpu/calibration.json, model_vs_measured.csv.
 calibration() {
     timeout 50 torchrun --standalone --nproc_per_node 1 experiments/gpu_calibrate.py measure --out results/gpu \
         2>&1 | tee results/gpu/calibration.log
