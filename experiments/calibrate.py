@@ -39,15 +39,19 @@ LINK_SIZES = (2**14, 2**16, 2**18, 2**20, 2**22)
 
 def compute_rates(vocab: int, seq: int = SEQ, tokens=GRID_TOKENS, hiddens=GRID_HIDDEN, reps: int = 5,
                   sync=lambda: None, device: torch.device = torch.device("cpu"),
-                  dtype: torch.dtype = torch.float32) -> dict[str, dict]:
+                  dtype: torch.dtype = torch.float32, head_loss=None) -> dict[str, dict]:
     """FLOP/s of a block's and of the head's forward and backward at each (tokens, hidden) in
     ``dtype`` on ``device`` (the CPU: at this process's thread count): {"block_forward":
     {(tokens, hidden): FLOP/s}, ...}. ``sync()`` runs before each measurement (a barrier, when
-    several ranks measure at once)."""
+    several ranks measure at once). ``head_loss(logits, labels)``: the loss the head ends in
+    (default: F.cross_entropy over every position)."""
     from experiments.bench_kernels import median_seconds
     from zero_ref.models import ParallelGPTBlock
 
     rates = {name: {} for name in ("block_forward", "block_backward", "head_forward", "head_backward")}
+    if head_loss is None:
+        def head_loss(logits, labels):
+            return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
     for hidden in hiddens:
         block = ParallelGPTBlock(hidden, hidden // 64, None, iter(range(10))).to(device, dtype)
         embedding = torch.randn(vocab, hidden, device=device, dtype=dtype, requires_grad=True)
@@ -55,7 +59,7 @@ def compute_rates(vocab: int, seq: int = SEQ, tokens=GRID_TOKENS, hiddens=GRID_H
             x = torch.randn(t // seq, seq, hidden, device=device, dtype=dtype, requires_grad=True)
             labels = torch.randint(0, vocab, (t // seq, seq), device=device)
             parts = {"block": lambda: block(x).sum(),
-                     "head": lambda: F.cross_entropy(F.linear(x, embedding).flatten(0, 1), labels.flatten())}
+                     "head": lambda: head_loss(F.linear(x, embedding), labels)}
             flops = pm.training_flops(1, hidden, seq, vocab, t // seq, recompute=False)
             forward_flops = {"block": flops["forward"], "head": flops["head"] / 3}
             for part, run in parts.items():

@@ -43,14 +43,20 @@ def measure(out: Path, reps: int) -> dict:
     device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     start = time.perf_counter()
-    rates = calibrate.compute_rates(VOCAB, SEQ, GRID_TOKENS, GRID_HIDDEN, reps, device=device, dtype=torch.bfloat16)
-    adamw = calibrate.step_rate(None, width=4096, reps=reps, device=device, dtype="bf16")
-    issue = block_issue_times(device, reps)
+    rates = calibrate.compute_rates(VOCAB, SEQ, GRID_TOKENS, GRID_HIDDEN, reps, device=device, dtype=torch.bfloat16,
+                                    head_loss=model_head_loss)
+    # the optimizer step at two sizes, four parameter groups each: its rate and what it costs per group
+    adamw_by_width = {width: calibrate.step_rate(None, width=width, reps=reps, device=device, dtype="bf16")
+                      for width in (1024, 4096)}
+    adamw = adamw_by_width[4096]
+    issue = {tokens: block_issue_times(device, reps, tokens) for tokens in (2048, 8192)}
     cal = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "dtype": "bf16",
            "seq": SEQ, "vocab": VOCAB, "worlds": [1],
            "rates": {"1": {name: {f"{t},{h}": rate for (t, h), rate in points.items()}
                            for name, points in rates.items()}},
-           "adamw": {"1": adamw}, "block_issue": issue, "seconds": time.perf_counter() - start}
+           "adamw": {"1": adamw}, "adamw_by_width": adamw_by_width,
+           "block_issue": {str(tokens): times for tokens, times in issue.items()},
+           "seconds": time.perf_counter() - start}
     dist.destroy_process_group()
     out.mkdir(parents=True, exist_ok=True)
     (out / "calibration.json").write_text(json.dumps(cal, indent=1))
@@ -58,18 +64,32 @@ def measure(out: Path, reps: int) -> dict:
         best = max(points, key=points.get)
         print(f"{name}: {points[best] / 1e12:.0f} TFLOPS at best (tokens, hidden) = {best}, "
               f"{min(points.values()) / 1e12:.0f} at worst")
-    print(f"optimizer step: {adamw / 1e9:.2f} G elements/s (bf16 engine, fp32 master)")
-    for how, times in issue.items():
-        print(f"one block forward ({how}): issued in {1e3 * times['issue_s']:.3f} ms, "
-              f"kernels done at {1e3 * times['wall_s']:.3f} ms")
+    for width, rate in adamw_by_width.items():
+        print(f"optimizer step, 4 x {width} x {width}: {rate / 1e9:.2f} G elements/s (bf16 engine, fp32 master)")
+    _print_issue(cal["block_issue"])
     return cal
+
+
+def model_head_loss(logits, labels):
+    """The loss the timed model's head ends in (models.ParallelGPT.forward), not split."""
+    from zero_ref.tensor_parallel import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits[:, :-1], labels[:, 1:], 0, None).mean()
+
+
+def _print_issue(block_issue: dict) -> None:
+    for tokens, by_part in block_issue.items():
+        for how, times in by_part.items():
+            print(f"{tokens} tokens, {how} forward: issued in {1e3 * times['issue_s']:.3f} ms, "
+                  f"kernels done at {1e3 * times['wall_s']:.3f} ms")
 
 
 def block_issue_times(device, reps: int, tokens: int = 8192, hidden: int = 1024) -> dict:
     """One block of the timed run's shape, forward with autograd recording, bare and as the timed
-    model runs it (torch.utils.checkpoint, plain): the host's time to issue it (until the call
-    returns; the kernels run on) and the time until its kernels are done, medians. Where the two
-    are equal the forward is bound by the host issuing kernels, not by the GPU running them."""
+    model runs it (torch.utils.checkpoint, plain), and the head (logits and the model's loss): the
+    host's time to issue it (until the call returns; the kernels run on) and the time until its
+    kernels are done, medians. Where the two are equal the forward is bound by the host issuing
+    kernels, not by the GPU running them."""
     import statistics
 
     import torch
@@ -80,15 +100,19 @@ def block_issue_times(device, reps: int, tokens: int = 8192, hidden: int = 1024)
     blocks = torch.nn.ModuleList([ParallelGPTBlock(hidden, hidden // 64, None, iter(range(10)))])
     blocks = blocks.to(device, torch.bfloat16)
     x = torch.randn(tokens // SEQ, SEQ, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    embedding = torch.randn(VOCAB, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (tokens // SEQ, SEQ), device=device)
     times = {}
-    for how in ("bare", "checkpointed"):
-        if how == "checkpointed":
+    for how in ("block, bare", "block, checkpointed", "head"):
+        if how == "block, checkpointed":
             checkpoint_blocks(blocks, "plain")
+        run = (lambda: model_head_loss(torch.nn.functional.linear(x, embedding), labels)) if how == "head" \
+            else (lambda: blocks[0](x))
         issued, done = [], []
         for rep in range(reps + 2):
             torch.cuda.synchronize(device)
             start = time.perf_counter()
-            y = blocks[0](x)
+            y = run()
             issued.append(time.perf_counter() - start)
             torch.cuda.synchronize(device)
             done.append(time.perf_counter() - start)
@@ -132,9 +156,7 @@ def compare(out: Path) -> list[dict]:
     for _, run in runs.iterrows():
         print(f"timed forward of {run['layers']} blocks and the head: {1e3 * run['forward_s'] / run['layers']:.3f} ms "
               "per block, all told")
-    for how, times in cal.get("block_issue", {}).items():
-        print(f"one block forward ({how}): issued in {1e3 * times['issue_s']:.3f} ms, "
-              f"kernels done at {1e3 * times['wall_s']:.3f} ms")
+    _print_issue(cal.get("block_issue", {}))
     return rows
 
 

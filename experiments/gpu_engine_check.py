@@ -294,7 +294,7 @@ def _count_syncs(step) -> tuple[int, list[str]]:
             engine = [f for f in stack if ("zero_ref" in f.filename and not f.filename.endswith("launch.py"))
                       or "triton_kernels" in f.filename]
             outside = [f for f in stack if "/torch/" not in f.filename and "warnings" not in f.filename]
-            frame, whose = (engine[-1], "engine") if engine else (outside[-1], "outside the engine")
+            frame, whose = (engine[-1], "engine") if engine else ((outside or stack)[-1], "outside the engine")
             where.append((whose, f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"))
 
     torch.cuda.synchronize()

@@ -18,7 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def git_revision() -> str:
     """HEAD's commit, with "+dirty" when the working tree has changes outside results/ (which the
-    studies are writing as they run)."""
+    studies are writing as they run); $ZERO_REF_REVISION where set (a copied tree whose .git is
+    not the one the code came from, as on a lent GPU machine: experiments/gpu_check.sh)."""
+    if os.environ.get("ZERO_REF_REVISION"):
+        return os.environ["ZERO_REF_REVISION"]
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()

@@ -122,7 +122,8 @@ def _append_csv(results: list[dict], args) -> None:
     import subprocess
     from pathlib import Path
 
-    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    revision = os.environ.get("ZERO_REF_REVISION") or subprocess.run(   # set where .git is not the code's own
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     path = Path(args.csv)
     path.parent.mkdir(parents=True, exist_ok=True)
     memory = ("params", "grads", "optimizer_states", "buffers", "comm_buffers", "total")
