@@ -25,8 +25,9 @@ starts each step):
 * elements moved per step: the engine's ledger (data parallel) and every collective counted
   below the engine (collective_count, which also sees the model-parallel all-reduces).
 
-``--max-batch-budget-gb X`` first searches the largest batch per rank whose steps fit X GB on
-this rank (the engine's own allocation trace of those steps on meta tensors, ``step_peak_bytes``),
+``--max-batch-budget-gb X`` first searches the largest batch per rank whose steps, the first one
+included, fit X GB on this rank (the engine's own allocation trace of those steps on meta tensors,
+``step_trace``; on CUDA replayed through the caching-allocator model, ``fits_cuda_budget``),
 then times that batch; on CUDA the run is held to X GB (``set_per_process_memory_fraction``), so a
 search that undercounts fails loudly (out of memory) instead of timing a run that does not fit.
 ``--dry-run`` checks the arguments and prints the plan without starting anything (the SLURM
@@ -278,14 +279,11 @@ def summarize(spec: RunSpec, world_size: int, results: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------------ the largest batch that fits
-def step_peak_bytes(spec: RunSpec, nd: int, batch: int, steady: bool = True) -> int:
-    """Peak bytes one rank of ``nd`` x ``spec.mp`` holds in a step of ``spec`` at ``batch``: the
-    same model and engine as a timed run, built on meta tensors as one rank of a fake process
-    group (at_scale.fake_world), every allocation from construction on recorded (alloc_trace),
-    three steps. ``steady``: the third step's peak; else the peak over all three (the first step
-    peaks higher once: stages 0-2 repack their buckets in gradient-arrival order, and for a
-    moment both layouts exist, bucketed.py). On the CPU this is exactly what a real run's
-    recorder sees; on a GPU add the allocator's fragmentation (zero_ref.caching_allocator)."""
+def step_trace(spec: RunSpec, nd: int, batch: int):
+    """Every allocation one rank of ``nd`` x ``spec.mp`` makes in three steps of ``spec`` at
+    ``batch``, from the model's construction on (alloc_trace.AllocationTrace, marks "step 0".."step
+    2"): the same model and engine as a timed run, built on meta tensors as one rank of a fake
+    process group (at_scale.fake_world)."""
     from zero_ref.alloc_trace import record_allocations
     from zero_ref.at_scale import fake_world
 
@@ -298,20 +296,48 @@ def step_peak_bytes(spec: RunSpec, nd: int, batch: int, steady: bool = True) -> 
             engine.backward(engine(tokens))
             engine.step()
         engine.close()
+    return trace
+
+
+def step_peak_bytes(spec: RunSpec, nd: int, batch: int, steady: bool = True) -> int:
+    """Peak bytes one rank holds in ``step_trace``. ``steady``: the third step's peak; else the
+    peak over all three (the first step peaks higher once: stages 0-2 repack their buckets in
+    gradient-arrival order, and for a moment both layouts exist, bucketed.py). On the CPU this is
+    exactly what a real run's recorder sees; a GPU also needs what its caching allocator reserves
+    beyond it (``fits_cuda_budget``)."""
+    trace = step_trace(spec, nd, batch)
     return max(trace.live_bytes()[trace.marks["step 2" if steady else "step 0"]:])
 
 
-def max_batch(spec: RunSpec, nd: int, budget_bytes: float, limit: int = 4096) -> int:
-    """The largest batch per rank whose steady-state step fits ``budget_bytes`` (0 if not even one
-    sequence; see step_peak_bytes)."""
-    if step_peak_bytes(spec, nd, 1) > budget_bytes:
+def fits_cuda_budget(spec: RunSpec, nd: int, batch: int, budget_bytes: float) -> bool:
+    """Would a CUDA run held to ``budget_bytes`` (set_per_process_memory_fraction caps the bytes
+    the caching allocator reserves) get through ``step_trace``? Its allocations, construction
+    included, replayed through the allocator model (zero_ref.caching_allocator: rounding, splitting,
+    caching, release and retry at the cap), which ran out where the allocator would."""
+    from zero_ref import caching_allocator
+
+    return caching_allocator.fits(step_trace(spec, nd, batch), int(budget_bytes))
+
+
+def max_batch(spec: RunSpec, nd: int, budget_bytes: float, limit: int = 4096, steady: bool = True,
+              allocator: bool = False) -> int:
+    """The largest batch per rank whose steps fit ``budget_bytes`` (0 if not even one sequence): by
+    the steady-state step's peak of live bytes (``steady``), by the peak of every step from the
+    first on, or (``allocator``) by what CUDA's caching allocator would need for all of them
+    (``fits_cuda_budget``), which a run held to the budget on a GPU must get through."""
+    def fits(batch: int) -> bool:
+        if allocator:
+            return fits_cuda_budget(spec, nd, batch, budget_bytes)
+        return step_peak_bytes(spec, nd, batch, steady) <= budget_bytes
+
+    if not fits(1):
         return 0
     low, high = 1, 2
-    while high <= limit and step_peak_bytes(spec, nd, high) <= budget_bytes:
+    while high <= limit and fits(high):
         low, high = high, high * 2
     while high - low > 1:
         mid = (low + high) // 2
-        low, high = (mid, high) if step_peak_bytes(spec, nd, mid) <= budget_bytes else (low, mid)
+        low, high = (mid, high) if fits(mid) else (low, mid)
     return low
 
 
@@ -402,8 +428,13 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(json.dumps(plan))
         return None
     if args.max_batch_budget_gb is not None:
-        spec = replace(spec, batch=max_batch(spec, nd, args.max_batch_budget_gb * 1e9),
-                       budget_gb=args.max_batch_budget_gb)
+        # every step must fit, the first too, whose repack (both bucket layouts at once) peaks above
+        # the steady state; on CUDA the run is held to the budget, and the allocator's rounding and
+        # caching count as well (an H200 run of the steady-state search's batch ran out of memory in
+        # its first step: 8.07 GiB allocated, 1.14 GiB reserved beside it, 9.31 GiB allowed)
+        on_cuda = under_launcher and torch.cuda.is_available()
+        spec = replace(spec, batch=max_batch(spec, nd, args.max_batch_budget_gb * 1e9, steady=False,
+                                             allocator=on_cuda), budget_gb=args.max_batch_budget_gb)
         if spec.batch == 0:
             raise SystemExit(f"not even one sequence per rank fits {args.max_batch_budget_gb} GB")
     if under_launcher:

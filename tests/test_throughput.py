@@ -137,6 +137,30 @@ def test_largest_batch_grows_as_pos_g_shards_the_states():
     fits = [tp.max_batch(spec, nd, budget) for nd in (1, 2, 4)]
     assert fits[0] == 2 and fits[0] < fits[1] < fits[2]
     assert tp.step_peak_bytes(spec, 4, fits[2]) <= budget < tp.step_peak_bytes(spec, 4, fits[2] + 1)
+    # a run held to the budget must survive the first step too, which peaks higher (the repack):
+    # here 4 sequences fit the steady state, and not even one fits the first step
+    budget = tp.step_peak_bytes(spec, 1, 4) * 1.01
+    assert tp.max_batch(spec, 1, budget) == 4 and tp.max_batch(spec, 1, budget, steady=False) == 0
+    with pytest.raises(SystemExit, match="not even one sequence per rank fits"):   # the command line's search
+        tp.main(["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "2048", "--stage", "2",
+                 "--world-size", "1", "--max-batch-budget-gb", str(budget / 1e9)])
+    budget = tp.step_peak_bytes(spec, 1, 2, steady=False) * 1.0001
+    first = tp.max_batch(spec, 1, budget, steady=False)
+    assert tp.step_peak_bytes(spec, 1, first, steady=False) <= budget < tp.step_peak_bytes(spec, 1, first + 1,
+                                                                                          steady=False)
+
+
+def test_a_cuda_budget_counts_what_the_caching_allocator_reserves():
+    """Held to a budget, a CUDA run needs the allocator's rounded, cached segments, not only the
+    bytes it asks for: the search by the allocator model picks a smaller batch, and that batch is
+    the largest the model gets through."""
+    spec = tp.RunSpec(layers=2, hidden=64, heads=4, seq=32, vocab=2048, stage=2)
+    budget = tp.step_peak_bytes(spec, 1, 8, steady=False) * 1.01
+    by_bytes = tp.max_batch(spec, 1, budget, steady=False)
+    by_allocator = tp.max_batch(spec, 1, budget, allocator=True)
+    assert 1 <= by_allocator < by_bytes
+    assert tp.fits_cuda_budget(spec, 1, by_allocator, budget) and not tp.fits_cuda_budget(spec, 1, by_allocator + 1,
+                                                                                           budget)
 
 
 def test_command_line_errors_and_dry_runs(capsys):
