@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The one prepared check for a CUDA machine (one H200, torch 2.11, triton 3.6, no internet, no pip).
 # Run from anywhere:  bash experiments/gpu_check.sh
-# Time: typically 5 minutes; every step has a timeout (11 minutes together). GPU_CHECK_DEADLINE_S=N
+# Time: typically 5.5 minutes (5 min 15 s at ceda1c4, before the batch-1 run); every step has a
+# timeout (12 minutes together). GPU_CHECK_DEADLINE_S=N
 # skips every step that could still be running N seconds after the start (a lease's remaining time),
 # so the archive is always written; the steps run most telling first (the numbers below are topics,
 # not the order).
 #   1. the kernel tests with Triton COMPILED (TRITON_INTERPRET=0; the tests also run torch on CUDA)
 #   2. the kernel benchmark at 1M..256M elements against torch's AdamW and the copy bandwidth
-#   3. engine smoke runs (world size 1, NCCL), one per stage (zero-ref train --device cuda), and three
+#   3. engine smoke runs (world size 1, NCCL), one per stage (zero-ref train --device cuda), and four
 #      timed throughput runs under torchrun (experiments/throughput.py), and the largest batch that
 #      fits 10 GB, found on meta tensors and then run with the device held to 10 GB
 #   4. the performance model's compute and optimizer rates measured on the device, and its
@@ -77,10 +78,10 @@ engine_checks() {
 }
 
 # Timed throughput runs (experiments/throughput.py under torchrun, NCCL, world 1): a 24 x 1024 GPT-2
-# (about 350M parameters), bf16, plain checkpoints, 1024 tokens a sequence, at stage 2 with 8 and 2
-# sequences and at stage 3 with 8: phases, TFLOPS per GPU (recomputation counted), peak memory,
-# elements moved, in results/gpu/throughput/throughput.csv, the GPU points the performance model is
-# checked on.
+# (about 350M parameters), bf16, plain checkpoints, 1024 tokens a sequence, at stage 2 with 8, 2 and
+# 1 sequences (one sequence: little GPU work, so the phases show the host's own time) and at stage 3
+# with 8: phases, TFLOPS per GPU (recomputation counted), peak memory, elements moved, in
+# results/gpu/throughput/throughput.csv, the GPU points the performance model is checked on.
 throughput_run() {
     timeout 40 torchrun --standalone --nproc_per_node 1 -m experiments.throughput --layers 24 --hidden 1024 \
         --heads 16 --seq 1024 --vocab 50257 --batch "$2" --stage "$1" --dtype bf16 --steps 10 --warmup 3 \
@@ -99,9 +100,10 @@ model_check() {
 }
 
 # The largest batch in a memory budget, held to it (throughput.py --max-batch-budget-gb): the
-# search runs the same model and engine on meta tensors (alloc_trace); the timed run is then capped
-# at the budget by set_per_process_memory_fraction, so a search that undercounts what CUDA's
-# caching allocator needs (fragmentation included) fails here with out-of-memory.
+# search runs the same model and engine on meta tensors (alloc_trace) and replays every step, the
+# first included, through the caching-allocator model; the timed run is then capped at the budget
+# by set_per_process_memory_fraction, so a search that undercounts what CUDA's caching allocator
+# needs fails here with out-of-memory.
 budget_run() {
     timeout 90 torchrun --standalone --nproc_per_node 1 -m experiments.throughput --layers 24 --hidden 1024 \
         --heads 16 --seq 1024 --vocab 50257 --stage 2 --dtype bf16 --steps 6 --warmup 2 --profile-steps 1 \
@@ -128,7 +130,7 @@ rm -f results/gpu/engine_smoke.csv results/gpu/engine_smoke.log results/gpu/thro
 step "GPU" 10 gpu_info
 step "kernel tests (compiled Triton)" 120 kernel_tests
 step "engine checks (exactness, syncs, streams, fp32 reductions, pinned saves, RNG, close)" 80 engine_checks
-for run in "2 8" "2 2" "3 8"; do
+for run in "2 8" "2 2" "2 1" "3 8"; do
     read -r stage batch <<< "$run"
     step "throughput run, stage $stage, batch $batch (torchrun, NCCL, world 1)" 40 throughput_run "$stage" "$batch"
 done
