@@ -135,6 +135,12 @@ def _peers(out: Path, quick: bool, quiet: bool) -> dict:
     return run_study(out, quick, quiet)
 
 
+def _gpu(out: Path, quick: bool, quiet: bool) -> dict:
+    from experiments.gpu_report import run_study
+
+    return run_study(out, quick, quiet)
+
+
 def _scaling_curves(out: Path, quick: bool, quiet: bool) -> dict:
     from experiments.scaling_curves import NDS, run
 
@@ -166,6 +172,8 @@ STUDIES = {
                        "formulas, step time against Nd", _scaling_curves),
     "peers": ("Peers side by side: DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed ZeRO 1-3 and zero-ref 0-3 on one "
               "model, seed and data stream", _peers),
+    "gpu": ("GPU checks as recorded on a lent CUDA machine (experiments/gpu_check.sh; summarised here, run there)",
+            _gpu),
 }
 """study folder -> (what it reproduces, its runner)."""
 FULL_ONLY = {"bench_step", "kernels", "throughput", "benchmarks", "peers"}
