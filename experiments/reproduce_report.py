@@ -89,7 +89,8 @@ def not_reproduced(out: Path, sections) -> list[dict]:
     frag = _chosen_fragmentation()
     t2 = paper_values.TABLE2_MEASURED_B
     fig6 = paper_values.FIG6_B
-    triton = (out / "kernels" / "bench.csv").exists() and "triton" in (out / "kernels" / "bench.csv").read_text()
+    triton = any((out / folder / "bench.csv").exists() and "triton" in (out / folder / "bench.csv").read_text()
+                 for folder in ("kernels", "gpu"))
     rows = [
         {"artifact": "Figs 2, 3, 4: throughput in TFLOPS per GPU",
          "paper": f"400 V100s: {_paper('ZeRO-100B throughput for 100B model')} at 100B, "
