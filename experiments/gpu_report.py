@@ -128,6 +128,8 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
         return {"headline": [{"item": "GPU checks (experiments/gpu_check.sh)", "paper": "V100 32 GB, NCCL",
                               "ours": "no GPU run recorded", "error": NOT_AN_ERROR, "how": "-"}], "meta": {}}
     how = f"real run, {record['gpu']} (gpu_check.sh at `{record['revision'][:7]}`)"
+    since = _commits_since(record["revision"])
+    stale = f" at `{record['revision'][:7]}`, {since} code commit(s) ago" if since else ""
     headline, lines = [], [f"# GPU checks on {record['gpu']}", "",
                            f"Recorded by `bash experiments/gpu_check.sh` at git `{record['revision']}` on {record['date']}: "
                            f"{record['line']}; {record['software']}. Summarised by `experiments/gpu_report.py`; every "
@@ -147,7 +149,7 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
                      if failing else "none failing", "how": how})
     for c in failing:
         headline.append({"item": f"engine check failing: {c['check']}", "paper": f"expected {c['expected']}",
-                         "ours": c["value"], "error": "fails", "how": how})
+                         "ours": c["value"], "error": f"fails{stale}", "how": how})
     if checks:
         frame = pd.DataFrame(checks)[["check", "stage", "value", "expected", "pass"]]
         lines += ["## Engine checks (experiments/gpu_engine_check.py)", "", table(frame), ""]
@@ -218,7 +220,8 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
 
     outcome = budget_outcome(out)
     headline.append({"item": "largest batch in 10 GB, then run held to 10 GB", "paper": "(the max-batch search, Fig 3)",
-                     "ours": outcome, "error": "fits: " + str(outcome.startswith("batch")), "how": how})
+                     "ours": outcome, "error": "fits: " + str(outcome.startswith("batch"))
+                     + ("" if outcome.startswith("batch") else stale), "how": how})
     lines += ["## Largest batch in a budget, held to it", "", outcome, ""]
 
     smoke = _read_csv(out / "engine_smoke.csv")
