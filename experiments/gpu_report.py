@@ -105,6 +105,15 @@ def host_evidence(runs: list[dict], calibration: dict) -> list[str]:
                          f"{1e3 * bare['wall_s']:.2f} ms bare; under torch.utils.checkpoint the host needs "
                          f"{1e3 * checkpointed['issue_s']:.2f} ms just to issue it (done at "
                          f"{1e3 * checkpointed['wall_s']:.2f} ms)")
+        timed = [r for r in runs if int(r["batch"]) * int(r["seq"]) == int(tokens) and r["stage"] == "2"]
+        if checkpointed and parts.get("head") and timed:
+            run = timed[0]
+            per_block = (float(run["forward_s"]) - parts["head"]["wall_s"]) / int(run["layers"])
+            notes.append(f"but in the timed run at {int(tokens):,} tokens a block's whole forward took at most "
+                         f"{1e3 * per_block:.2f} ms (the forward less the head's {1e3 * parts['head']['wall_s']:.1f} ms, "
+                         f"over {run['layers']} blocks): measured alone, after a synchronize, the issue time "
+                         "comes out higher than in a run, so these single-call timings on the lent machine "
+                         "locate the cost but do not calibrate it")
     return notes
 
 
