@@ -1,12 +1,12 @@
-"""A CUDA device measured for the performance model, and the model checked against the GPU's timed run.
+"""A CUDA device measured for the performance model, and the model checked against the GPU's timed runs.
 
 Two parts, both run by ``experiments/gpu_check.sh``:
 
 * ``measure`` (one rank under ``torchrun``, NCCL): ``calibrate.compute_rates`` in bf16 on the
   device, over a (tokens, hidden) grid at the timed run's sequence length and vocabulary, and
   ``calibrate.step_rate``, the engine's whole bf16 optimizer step (norm, fused AdamW, clearing
-  gradients) per element -> ``<out>/calibration.json``. The same measurements as the CPU
-  calibration, so ``throughput_study.predicted`` reads either.
+  gradients) per element, at two sizes, and ``block_issue_times`` -> ``<out>/calibration.json``.
+  The same rates as the CPU calibration, so ``throughput_study.predicted`` reads either.
 * ``compare`` (anywhere, also here after the run came back): for each row of
   ``<out>/throughput/throughput.csv``, the model's phases (forward, backward, optimizer step) and
   whole step against the timed ones -> ``<out>/model_vs_measured.csv``. At world size 1 no
@@ -45,7 +45,8 @@ def measure(out: Path, reps: int) -> dict:
     start = time.perf_counter()
     rates = calibrate.compute_rates(VOCAB, SEQ, GRID_TOKENS, GRID_HIDDEN, reps, device=device, dtype=torch.bfloat16,
                                     head_loss=model_head_loss)
-    # the optimizer step at two sizes, four parameter groups each: its rate and what it costs per group
+    # the optimizer step at two sizes of four parameter groups each: a rate that grows with the size
+    # shows fixed costs per step (the model takes the larger size's rate)
     adamw_by_width = {width: calibrate.step_rate(None, width=width, reps=reps, device=device, dtype="bf16")
                       for width in (1024, 4096)}
     adamw = adamw_by_width[4096]
