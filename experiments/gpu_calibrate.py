@@ -130,8 +130,9 @@ def load_calibration(path: Path) -> dict:
     return {**raw, "rates": rates, "adamw": {int(w): r for w, r in raw["adamw"].items()}, "links": {}}
 
 
-def compare(out: Path) -> list[dict]:
-    """Predicted against measured, per phase, for every timed run in ``out``/throughput."""
+def compare(out: Path, show: bool = True) -> list[dict]:
+    """Predicted against measured, per phase, for every timed run in ``out``/throughput (``show``:
+    print the table and the block timings too)."""
     import pandas as pd
 
     from experiments.throughput_study import predicted
@@ -153,6 +154,8 @@ def compare(out: Path) -> list[dict]:
                          "error": modelled[phase] / seconds - 1})
     frame = pd.DataFrame(rows)
     frame.to_csv(out / "model_vs_measured.csv", index=False)
+    if not show:
+        return rows
     print(frame.to_string(index=False))
     for _, run in runs.iterrows():
         print(f"timed forward of {run['layers']} blocks and the head: {1e3 * run['forward_s'] / run['layers']:.3f} ms "

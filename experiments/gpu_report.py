@@ -200,7 +200,7 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
     if (out / "calibration.json").exists() and runs:
         from experiments.gpu_calibrate import compare, load_calibration
 
-        model = pd.DataFrame(compare(out))
+        model = pd.DataFrame(compare(out, show=not quiet))
         within = (model.error.abs() <= MODEL_GOAL)
         whole = model[model.phase == "whole step"]
         headline.append({"item": "performance model against the timed GPU runs (whole step)",
