@@ -198,7 +198,7 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
                   table(frame, lambda v: f"{float(v):.4g}" if re.fullmatch(r"[\d.e+-]+", str(v)) else str(v)), ""]
 
     if (out / "calibration.json").exists() and runs:
-        from experiments.gpu_calibrate import compare, load_calibration
+        from experiments.gpu_calibrate import compare
 
         model = pd.DataFrame(compare(out, show=not quiet))
         within = (model.error.abs() <= MODEL_GOAL)
@@ -208,8 +208,8 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
                          "ours": ", ".join(f"batch {r.batch} stage {r.stage}: {r.error:+.0%}" for r in whole.itertuples()),
                          "error": f"{int(within.sum())} of {len(model)} phase predictions within {MODEL_GOAL:.0%}",
                          "how": "performance model calibrated on the GPU"})
-        notes = host_evidence(runs, json.loads((out / "calibration.json").read_text()))
-        cal = load_calibration(out / "calibration.json")
+        cal = json.loads((out / "calibration.json").read_text())   # as recorded: block_issue, adamw_by_width
+        notes = host_evidence(runs, cal)
         lines += ["## The performance model on this GPU", "",
                   "calibration.json: bf16 block and head rates over (tokens, hidden) measured on the GPU (the head "
                   "with the model's own loss), the optimizer step's rate, and the host's time to issue one block. "
