@@ -45,7 +45,6 @@ def compute_rates(vocab: int, seq: int = SEQ, tokens=GRID_TOKENS, hiddens=GRID_H
     {(tokens, hidden): FLOP/s}, ...}. ``sync()`` runs before each measurement (a barrier, when
     several ranks measure at once). ``head_loss(logits, labels)``: the loss the head ends in
     (default: F.cross_entropy over every position)."""
-    from experiments.bench_kernels import median_seconds
     from zero_ref.models import ParallelGPTBlock
 
     rates = {name: {} for name in ("block_forward", "block_backward", "head_forward", "head_backward")}
@@ -64,12 +63,31 @@ def compute_rates(vocab: int, seq: int = SEQ, tokens=GRID_TOKENS, hiddens=GRID_H
             forward_flops = {"block": flops["forward"], "head": flops["head"] / 3}
             for part, run in parts.items():
                 sync()
-                forward = median_seconds(run, device, reps, warmup=1)
-                sync()
-                both = median_seconds(lambda: run().backward(), device, reps, warmup=1)
+                forward, backward = forward_backward_seconds(run, device, reps)
                 rates[f"{part}_forward"][(t, hidden)] = forward_flops[part] / forward
-                rates[f"{part}_backward"][(t, hidden)] = 2 * forward_flops[part] / max(both - forward, 1e-9)
+                rates[f"{part}_backward"][(t, hidden)] = 2 * forward_flops[part] / backward
     return rates
+
+
+def forward_backward_seconds(run, device: torch.device, reps: int, warmup: int = 1) -> tuple[float, float]:
+    """Median seconds of ``run()`` (a forward ending in a scalar) and of that scalar's backward,
+    both timed within the same iterations (on CUDA to the end of their kernels), so that whatever
+    slows this rank down meanwhile (other ranks sharing its cores) weighs on both alike."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        run().backward()
+    forward, backward = [], []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        loss = run()
+        sync()
+        middle = time.perf_counter()
+        loss.backward()
+        sync()
+        forward.append(middle - start)
+        backward.append(time.perf_counter() - middle)
+    return statistics.median(forward), statistics.median(backward)
 
 
 def step_rate(group, width: int = 1024, reps: int = 9, sync=lambda: None, device: torch.device | None = None,
@@ -157,18 +175,46 @@ def measure_links(worlds=(2, 3, 4), sizes=LINK_SIZES, reps: int = 5) -> tuple[di
     return links, rows
 
 
+def _mean_over_ranks(per_rank: list[tuple[dict, float]]) -> tuple[dict, float]:
+    """One rank's rates at a world size: each rate's harmonic mean over the ranks that measured it
+    at once (work over the mean time), as the timed runs' phases are each rank's mean. Ranks that
+    share cores are not served alike: one may finish a short measurement before the scheduler
+    lets another in, so a single rank's numbers would say little about a typical one."""
+    def harmonic(values):
+        return len(values) / sum(1.0 / v for v in values)
+
+    rates = {name: {point: harmonic([r[name][point] for r, _ in per_rank]) for point in points}
+             for name, points in per_rank[0][0].items()}
+    return rates, harmonic([step for _, step in per_rank])
+
+
 def calibrate(vocab: int, quick: bool = False, worlds=(1, 2, 3, 4)) -> dict:
     """Everything cpu_cluster needs, measured now on this machine: compute and step rates with
-    ``world`` one-thread ranks computing at once, for each world size, and the collectives."""
+    ``world`` one-thread ranks computing at once (their mean over the ranks), for each world size,
+    and the collectives."""
     from zero_ref.launch import spawn
 
     start = time.perf_counter()
-    measured = {w: spawn(_rates_at_world, w, vocab, 3 if quick else 5, timeout=900)[0] for w in worlds}
+    measured = {w: _mean_over_ranks(spawn(_rates_at_world, w, vocab, 3 if quick else 5, timeout=900)) for w in worlds}
     links, link_rows = measure_links([w for w in worlds if w > 1], reps=3 if quick else 5)
     return {"cores": len(os.sched_getaffinity(0)), "worlds": list(worlds),
             "rates": {w: rates for w, (rates, _) in measured.items()},
             "adamw": {w: step for w, (_, step) in measured.items()}, "links": links, "link_rows": link_rows,
             "vocab": vocab, "seconds": time.perf_counter() - start}
+
+
+def merge(earlier: dict, later: dict) -> dict:
+    """Two calibrations as one: ``later``'s world sizes replace ``earlier``'s (a study calibrates
+    each world size just before it times runs there, so that the machine's drift over the study,
+    shared with other work, lies between a measurement and its use for seconds, not minutes)."""
+    if not earlier:
+        return later
+    worlds = sorted(set(earlier["worlds"]) | set(later["worlds"]))
+    links = {key: link for key, link in earlier["links"].items() if key[0] not in later["worlds"]} | later["links"]
+    rows = [row for row in earlier["link_rows"] if row["world"] not in later["worlds"]] + later["link_rows"]
+    return {**earlier, "worlds": worlds, "rates": earlier["rates"] | later["rates"],
+            "adamw": earlier["adamw"] | later["adamw"], "links": links, "link_rows": rows,
+            "seconds": earlier["seconds"] + later["seconds"]}
 
 
 def cpu_cluster(cal: dict, world: int, alone: bool = False) -> pm.Cluster:

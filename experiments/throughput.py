@@ -9,11 +9,11 @@ The model is a GPT-2-like ``ParallelGPT`` split Megatron-style over ``--mp`` ran
 each rank's device by ``zero_ref.initialize`` (so a 100B model is never whole anywhere), with its
 blocks checkpointed (``--checkpoints``, or a paper configuration ``--config C1..C5``).
 
-What is measured, per step, after ``--warmup`` untimed steps (the slowest rank's time: a barrier
-starts each step):
+What is measured, per step, after ``--warmup`` untimed steps (a barrier starts each step):
 
-* phases by the host clock (CUDA synchronised at each boundary): forward, backward (with the
-  gradient reductions it waits for), step (AdamW and the regather);
+* phases by the host clock (CUDA synchronised at each boundary), each the mean over the ranks:
+  forward, backward (with the gradient reductions it waits for), step (AdamW and the regather);
+  the whole step is the slowest rank's (``step_times``);
 * from ``torch.profiler`` over ``--profile-steps`` more steps (the engine labels its phases, see
   engine.py): forward, backward, optimizer (AdamW) and regather time, and the host's waits on
   collectives inside each phase: reduction wait, gather wait (``profiled_phases``);
@@ -244,20 +244,31 @@ def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict:
         peak_how = "alloc_trace: every allocation from construction on, peak of the last warm-up step"
     ledger = engine.comm_stats()["last_step"]
     engine.close()
-    # the slowest rank's time per step and phase
-    times = torch.tensor(timed, dtype=torch.float64, device=device)     # NCCL reduces device tensors only
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return {"rank": rank, "times": times.tolist(), "local_params": local_params, "profiled": profiled,
+    return {"rank": rank, "times": timed, "local_params": local_params, "profiled": profiled,
             "peak_bytes": peak, "first_peak_bytes": first_peak, "peak_how": peak_how,
             "ledger": {k: v for k, v in ledger.items() if v}, "below": dict(below.moved), "calls": dict(below.calls),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "threads": torch.get_num_threads()}
 
 
+def step_times(results: list[dict]) -> tuple[list[list[float]], list[float]]:
+    """Every rank's timed steps -> (per step, each phase's mean over the ranks; per step, the
+    slowest rank's whole step). A barrier starts each step, so the slowest rank's sum of phases is
+    the step's wall time. A phase is each rank's mean, not its slowest: ranks that share cores
+    (or straggle) take turns being slow, and the sum of each phase's slowest rank would be no
+    rank's step at all."""
+    per_rank = [r["times"] for r in results]
+    phases = [[statistics.fmean(rank[i][j] for rank in per_rank) for j in range(len(PHASES))]
+              for i in range(len(per_rank[0]))]
+    walls = [max(sum(rank[i]) for rank in per_rank) for i in range(len(per_rank[0]))]
+    return phases, walls
+
+
 def summarize(spec: RunSpec, world_size: int, results: list[dict]) -> dict:
-    """One row: medians per phase (slowest rank), rates, memory and traffic of rank 0."""
+    """One row: medians over the timed steps of each phase (the ranks' mean) and of the whole
+    step (the slowest rank's), rates, memory and traffic of rank 0."""
     r0 = results[0]
-    per_step = [sum(t) for t in r0["times"]]
+    phase_times, per_step = step_times(results)
     median = statistics.median(per_step)
     nd = world_size // spec.mp
     flops = spec.flops()["total"] / spec.mp
@@ -266,7 +277,7 @@ def summarize(spec: RunSpec, world_size: int, results: list[dict]) -> dict:
                           "median_step_s": median, "min_step_s": min(per_step),
                           "spread": (max(per_step) - min(per_step)) / median}
     for i, phase in enumerate(PHASES):
-        row[f"{phase}_s"] = statistics.median(t[i] for t in r0["times"])
+        row[f"{phase}_s"] = statistics.median(t[i] for t in phase_times)
     row |= r0["profiled"]
     row |= {"samples_per_s": spec.batch * nd / median, "tflops_per_rank": flops / median / 1e12,
             "flops_per_rank": flops, "flops_count": "Megatron, recomputation counted" if spec.checkpoints != "none"
@@ -449,14 +460,15 @@ def main(argv: list[str] | None = None) -> dict | None:
     else:
         results = spawn(rank_main, world, spec, timeout=3600)
     row = summarize(spec, world, results)
-    write(Path(args.out), row, results[0]["times"])
+    write(Path(args.out), row, *step_times(results))
     print(json.dumps({k: row[k] for k in ("world_size", "stage", "batch", "median_step_s", "samples_per_s",
                                           "tflops_per_rank", "peak_gb")}))
     return row
 
 
-def write(out: Path, row: dict, times: list) -> None:
-    """Append ``row`` to out/throughput.csv (a new header starts a new file) and the step times."""
+def write(out: Path, row: dict, times: list, walls: list) -> None:
+    """Append ``row`` to out/throughput.csv (a new header starts a new file) and the step times
+    (``step_times``: each phase's mean over the ranks, the slowest rank's whole step) beside it."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "throughput.csv"
     rows = list(csv.DictReader(open(path))) if path.exists() else []
@@ -468,7 +480,8 @@ def write(out: Path, row: dict, times: list) -> None:
         writer.writerows(rows)
     tag = f"s{row['stage']}_w{row['world_size']}_mp{row['mp']}_b{row['batch']}_{row['checkpoints']}"
     with open(out / f"steps_{tag}.json", "w") as f:
-        json.dump({"phases": list(PHASES), "times": times, "written": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+        json.dump({"phases": list(PHASES), "times": times, "step_wall": walls,
+                   "written": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
 
 
 if __name__ == "__main__":

@@ -150,10 +150,14 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
         "Calibration (measured now, `experiments/calibrate.py`): block and head FLOP rates on a (tokens, hidden) "
         "grid, the engine's optimizer step per element, and gloo's all-reduce / reduce-scatter / all-gather "
         "fitted per world size to a ring (latency, bandwidth): `calibration_rates.csv`, `calibration_links.csv`. "
+        "Each world size is calibrated just before its runs: this machine is shared and its speed drifts "
+        "by tens of percent over minutes. "
         "Validation: a held-out model (6 x 320, 10 heads, batch 3 x 128 tokens: between the grid's points), "
-        "one thread per rank, each phase's median over timed steps against the model's prediction "
+        "one thread per rank, each phase's median over timed steps (each step's phase: the ranks' mean; the "
+        "whole step: the slowest rank's) against the model's prediction "
         "(with the run's own collective counts). The compute and step rates of a p-rank run are those "
-        "measured with p ranks computing at once (above two, the ranks share the two cores).", "",
+        "measured with p ranks computing at once, averaged over them (above two, the ranks share the two "
+        "cores).", "",
         f"**{int(within.sum())} of {len(checks)} predictions within 15%** (whole steps: "
         f"{int(((totals.ratio - 1).abs() <= 0.15).sum())} of {len(totals)}); median error "
         f"{median_error:.1%}. `spread` is (slowest - fastest) / median of the timed steps: "

@@ -2,7 +2,9 @@
 scaling reproduced by the mechanism the paper names (Sec 10.3), measured.
 
 1. **Calibration** (experiments/calibrate.py): block/head FLOP rates on a (tokens, hidden) grid,
-   the AdamW rate and gloo's collectives, measured on this machine now.
+   the AdamW rate and gloo's collectives, measured on this machine now: each world size just
+   before the runs at that size (the machine is shared, and its speed drifts by tens of percent
+   over minutes: measured 0.485 s and 0.363 s for the same run 90 minutes apart).
 2. **Validation**: timed runs (experiments/throughput.py) of a held-out model (its width and batch
    lie between the calibration grid's points) at world 1-4 and stages 0-3, plus one
    model-parallel run (MP 2, Pa); each phase (forward, backward, step) and the whole step
@@ -71,11 +73,11 @@ def predicted(row: dict, cal: dict, one_core_per_rank: bool = False) -> pm.Predi
     return pm.predict(step, calibrate.cpu_cluster(cal, int(row["world_size"]), alone=one_core_per_rank))
 
 
-def validation(cal: dict, out: str, quick: bool) -> pd.DataFrame:
-    """Predicted vs measured per phase for the held-out runs."""
-    runs = [(w, replace(HELD_OUT, stage=s)) for w in ((1, 2) if quick else (1, 2, 3, 4))
-            for s in ((0, 3) if quick else (0, 1, 2, 3))]
-    runs.append((2, replace(HELD_OUT, stage=1, mp=2, checkpoints="pa")))
+def validation(cal: dict, out: str, quick: bool, world: int) -> pd.DataFrame:
+    """Predicted vs measured per phase for the held-out runs at ``world`` ranks (at 2, also MP 2)."""
+    runs = [(world, replace(HELD_OUT, stage=s)) for s in ((0, 3) if quick else (0, 1, 2, 3))]
+    if world == 2:
+        runs.append((2, replace(HELD_OUT, stage=1, mp=2, checkpoints="pa")))
     rows = []
     for world, spec in runs:
         row = timed(spec, world, out)
@@ -92,13 +94,15 @@ def validation(cal: dict, out: str, quick: bool) -> pd.DataFrame:
 
 def superlinear(cal: dict, out: str, quick: bool) -> pd.DataFrame:
     """Nd = 1, 2, 4 (quick: 1, 2) under one per-rank budget: the batch that fits, timed at that batch
-    and at Nd=1's, with the model's prediction beside each (and with one core per rank)."""
+    and at Nd=1's, with the model's prediction beside each (and with one core per rank); each Nd
+    calibrated again just before its runs."""
     base = SUPERLINEAR
     budget = step_peak_bytes(base, 1, 2) * 1.02
     fits = {nd: max_batch(base, nd, budget) for nd in ((1, 2) if quick else (1, 2, 4))}
     first_step = {nd: step_peak_bytes(base, nd, b, steady=False) for nd, b in fits.items()}
     rows = []
     for nd, batch in fits.items():
+        cal = calibrate.merge(cal, calibrate.calibrate(VOCAB, quick, worlds=(nd,)))
         for label, b in (("batch that fits", batch), ("Nd=1's batch", fits[1])):
             if label == "Nd=1's batch" and nd == 1:
                 continue
@@ -144,11 +148,14 @@ def run(out, quick: bool = False) -> dict:
     the validation and superlinear frames."""
     out.mkdir(parents=True, exist_ok=True)
     runs = str(out / "runs")
-    cal = calibrate.calibrate(VOCAB, quick, worlds=(1, 2) if quick else (1, 2, 3, 4))
+    cal, checks = {}, []
+    for world in (1, 2) if quick else (1, 2, 3, 4):     # each world size calibrated just before its runs
+        cal = calibrate.merge(cal, calibrate.calibrate(VOCAB, quick, worlds=(world,)))
+        checks.append(validation(cal, runs, quick, world))
     rates, links = calibration_frames(cal)
     rates.to_csv(out / "calibration_rates.csv", index=False)
     links.to_csv(out / "calibration_links.csv", index=False)
-    checks = validation(cal, runs, quick)
+    checks = pd.concat(checks, ignore_index=True)
     checks.to_csv(out / "validation.csv", index=False)
     scaling = superlinear(cal, runs, quick)
     scaling.to_csv(out / "superlinear.csv", index=False)

@@ -209,3 +209,48 @@ def test_cpu_cluster_from_a_calibration():
     assert p.terms["dp_step"] == pytest.approx(0.75 * 4e6 / 2e9 + 2 * 3 * 1e-4) == p_alone.terms["dp_step"]
     assert p.terms["forward"] == pytest.approx(pm.training_flops(1, 64, 128, 256, 1)["forward"] / 1e9)
     assert p_alone.terms["forward"] == pytest.approx(p.terms["forward"] / 2)
+
+
+def test_a_step_is_its_slowest_rank_and_a_phase_the_ranks_mean():
+    """Two ranks that take turns being slow: the step's wall time is the slowest rank's sum of
+    phases, never the sum of each phase's slowest rank (0.3 + 0.3 here, which no rank took)."""
+    ranks = [{"times": [[0.1, 0.3, 0.05], [0.2, 0.2, 0.05]]},
+             {"times": [[0.3, 0.1, 0.05], [0.2, 0.2, 0.05]]}]
+    phases, walls = tp.step_times(ranks)
+    assert phases == [pytest.approx([0.2, 0.2, 0.05]), pytest.approx([0.2, 0.2, 0.05])]
+    assert walls == pytest.approx([0.45, 0.45])
+
+
+def test_calibrations_average_ranks_and_merge_by_world_size():
+    one = {"block_forward": {(128, 64): 2e9}}
+    rates, step = calibrate._mean_over_ranks([(one, 1e8), ({"block_forward": {(128, 64): 1e9}}, 2e8)])
+    assert rates["block_forward"][(128, 64)] == pytest.approx(2 / (1 / 2e9 + 1 / 1e9))    # work over mean time
+    assert step == pytest.approx(2 / (1 / 1e8 + 1 / 2e8))
+    first = {"worlds": [1, 2], "rates": {1: one, 2: one}, "adamw": {1: 1.0, 2: 2.0},
+             "links": {(2, "all_reduce"): pm.Link(1.0, 0.0)}, "link_rows": [{"world": 2}], "seconds": 1.0}
+    again = {"worlds": [2], "rates": {2: rates}, "adamw": {2: 3.0}, "links": {(2, "all_gather"): pm.Link(2.0, 0.0)},
+             "link_rows": [{"world": 2, "again": True}], "seconds": 2.0}
+    merged = calibrate.merge(first, again)
+    assert merged["worlds"] == [1, 2] and merged["rates"] == {1: one, 2: rates} and merged["adamw"] == {1: 1.0, 2: 3.0}
+    assert merged["links"] == {(2, "all_gather"): pm.Link(2.0, 0.0)} and merged["link_rows"] == [{"world": 2, "again": True}]
+    assert merged["seconds"] == 3.0 and calibrate.merge({}, again) is again
+
+
+def test_forward_and_backward_are_timed_apart_in_the_same_iterations():
+    import time
+    import torch
+
+    class SlowBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            time.sleep(0.01)
+            return x.sum()
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(0.04)
+            return grad.expand(3)
+
+    x = torch.ones(3, requires_grad=True)
+    forward, backward = calibrate.forward_backward_seconds(lambda: SlowBackward.apply(x), torch.device("cpu"), 3)
+    assert 0.01 <= forward < backward and backward >= 0.04
