@@ -10,7 +10,9 @@ Two parts, both run by ``experiments/gpu_check.sh``:
 * ``compare`` (anywhere, also here after the run came back): for each row of
   ``<out>/throughput/throughput.csv``, the model's phases (forward, backward, optimizer step) and
   whole step against the timed ones -> ``<out>/model_vs_measured.csv``. At world size 1 no
-  collective runs, so this checks the compute and optimizer terms alone.
+  collective runs, so this checks the compute and optimizer terms alone. Beside them, the same
+  with a host term (``host_floors``): no phase faster than the same model's phase timed at the
+  smallest batch, for steps the host cannot issue as fast as the GPU runs them.
 
 Usage: ``torchrun --standalone --nproc_per_node 1 experiments/gpu_calibrate.py measure --out results/gpu``
 then ``python experiments/gpu_calibrate.py compare --out results/gpu``.
@@ -130,6 +132,25 @@ def load_calibration(path: Path) -> dict:
     return {**raw, "rates": rates, "adamw": {int(w): r for w, r in raw["adamw"].items()}, "links": {}}
 
 
+def _shape(run) -> tuple:
+    return tuple(run[k] for k in ("layers", "hidden", "heads", "seq", "vocab", "stage", "mp", "checkpoints", "dtype",
+                                  "world_size"))
+
+
+def host_floors(runs) -> dict:
+    """The host term: per model and stage, each phase as timed at the smallest batch timed. The host
+    issues the same kernels at any batch (their number does not grow with it), so a phase can be no
+    faster than it was at the smallest batch unless the GPU was the bound there; and then that time
+    is the GPU's at a smaller batch, below its time at any larger one. So ``max(model, floor)``
+    never undercuts a phase for having taken a host-bound run as a floor. gpu_check.sh times batch 1
+    for this; the floor's own run is its fit, not a check of it."""
+    floors = {}
+    for _, run in runs.sort_values("batch").iterrows():
+        floors.setdefault(_shape(run), {"batch": run["batch"], "forward": run["forward_s"],
+                                        "backward": run["backward_s"], "step": run["step_s"]})
+    return floors
+
+
 def compare(out: Path, show: bool = True) -> list[dict]:
     """Predicted against measured, per phase, for every timed run in ``out``/throughput (``show``:
     print the table and the block timings too)."""
@@ -139,6 +160,7 @@ def compare(out: Path, show: bool = True) -> list[dict]:
 
     cal = load_calibration(out / "calibration.json")
     runs = pd.read_csv(out / "throughput" / "throughput.csv")
+    floors = host_floors(runs)
     rows = []
     for _, run in runs.iterrows():
         if int(run["world_size"]) not in cal["rates"]:
@@ -147,11 +169,20 @@ def compare(out: Path, show: bool = True) -> list[dict]:
         measured = {"forward": run["forward_s"], "backward": run["backward_s"], "step": run["step_s"],
                     "whole step": run["median_step_s"]}
         modelled = {**model.phases(), "whole step": model.seconds}
+        floor = floors.get(_shape(run))
+        if floor is not None and floor["batch"] < run["batch"]:
+            with_host = {phase: max(modelled[phase], floor[phase]) for phase in ("forward", "backward", "step")}
+            with_host["whole step"] = sum(with_host.values())
+        else:             # no smaller batch timed, or this run is the floor's own
+            with_host = dict.fromkeys(modelled, float("nan"))
         for phase, seconds in measured.items():
             rows.append({"device": cal["device"], "layers": run["layers"], "hidden": run["hidden"],
                          "batch": run["batch"], "seq": run["seq"], "stage": run["stage"], "dtype": run["dtype"],
                          "phase": phase, "measured_s": seconds, "predicted_s": modelled[phase],
-                         "error": modelled[phase] / seconds - 1})
+                         "error": modelled[phase] / seconds - 1,
+                         "host_floor_batch": floor["batch"] if floor is not None else float("nan"),
+                         "predicted_with_host_s": with_host[phase],
+                         "error_with_host": with_host[phase] / seconds - 1})
     frame = pd.DataFrame(rows)
     frame.to_csv(out / "model_vs_measured.csv", index=False)
     if not show:

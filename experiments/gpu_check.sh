@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The one prepared check for a CUDA machine (one H200, torch 2.11, triton 3.6, no internet, no pip).
 # Run from anywhere:  bash experiments/gpu_check.sh
-# Time: typically 5.5 minutes (5 min 15 s at ceda1c4, before the batch-1 run); every step has a
-# timeout (12 minutes together). GPU_CHECK_DEADLINE_S=N
+# Time: about 6 minutes (5 min 15 s at ceda1c4, before the two batch-1 runs); every step has a
+# timeout (13 minutes together). GPU_CHECK_DEADLINE_S=N
 # skips every step that could still be running N seconds after the start (a lease's remaining time),
 # so the archive is always written; the steps run most telling first (the numbers below are topics,
 # not the order).
 #   1. the kernel tests with Triton COMPILED (TRITON_INTERPRET=0; the tests also run torch on CUDA)
 #   2. the kernel benchmark at 1M..256M elements against torch's AdamW and the copy bandwidth
-#   3. engine smoke runs (world size 1, NCCL), one per stage (zero-ref train --device cuda), and four
+#   3. engine smoke runs (world size 1, NCCL), one per stage (zero-ref train --device cuda), and five
 #      timed throughput runs under torchrun (experiments/throughput.py), and the largest batch that
 #      fits 10 GB, found on meta tensors and then run with the device held to 10 GB
 #   4. the performance model's compute and optimizer rates measured on the device, and its
@@ -79,8 +79,9 @@ engine_checks() {
 
 # Timed throughput runs (experiments/throughput.py under torchrun, NCCL, world 1): a 24 x 1024 GPT-2
 # (about 350M parameters), bf16, plain checkpoints, 1024 tokens a sequence, at stage 2 with 8, 2 and
-# 1 sequences (one sequence: little GPU work, so the phases show the host's own time) and at stage 3
-# with 8: phases, TFLOPS per GPU (recomputation counted), peak memory, elements moved, in
+# 1 sequences and at stage 3 with 8 and 1 (one sequence: little GPU work, so the phases show the
+# host's own time: the performance model's host term, gpu_calibrate.host_floors): phases, TFLOPS
+# per GPU (recomputation counted), peak memory, elements moved, in
 # results/gpu/throughput/throughput.csv, the GPU points the performance model is checked on.
 throughput_run() {
     timeout 40 torchrun --standalone --nproc_per_node 1 -m experiments.throughput --layers 24 --hidden 1024 \
@@ -130,7 +131,7 @@ rm -f results/gpu/engine_smoke.csv results/gpu/engine_smoke.log results/gpu/thro
 step "GPU" 10 gpu_info
 step "kernel tests (compiled Triton)" 120 kernel_tests
 step "engine checks (exactness, syncs, streams, fp32 reductions, pinned saves, RNG, close)" 80 engine_checks
-for run in "2 8" "2 2" "2 1" "3 8"; do
+for run in "2 8" "2 2" "2 1" "3 8" "3 1"; do
     read -r stage batch <<< "$run"
     step "throughput run, stage $stage, batch $batch (torchrun, NCCL, world 1)" 40 throughput_run "$stage" "$batch"
 done

@@ -53,3 +53,31 @@ def test_nothing_recorded_says_so(tmp_path):
     assert [row["ours"] for row in rows] == ["no GPU run recorded"]
     assert "No GPU run is recorded" in (tmp_path / "gpu" / "REPORT.md").read_text()
     json.dumps(rows)   # saved as headline.json by reproduce
+
+
+def test_the_host_term_floors_each_phase_at_the_smallest_batch_timed(tmp_path):
+    """A phase is predicted no faster than the same model's phase at its smallest timed batch; that
+    run is the floor's fit and is not checked; another stage has its own floor."""
+    if not (RECORDED / "calibration.json").exists():
+        pytest.skip("no GPU calibration is recorded in results/gpu")
+    import pandas as pd
+
+    from experiments.gpu_calibrate import compare
+
+    (tmp_path / "throughput").mkdir(parents=True)
+    shutil.copy(RECORDED / "calibration.json", tmp_path)
+    runs = pd.read_csv(RECORDED / "throughput" / "throughput.csv")
+    large = runs[(runs.stage == 2) & (runs.batch == 8)].iloc[0]
+    small = large.copy()
+    small["batch"], small["forward_s"], small["backward_s"], small["step_s"] = 1, 1.0, 0.001, 0.001
+    other = large.copy()
+    other["stage"] = 3
+    pd.DataFrame([large, small, other]).to_csv(tmp_path / "throughput" / "throughput.csv", index=False)
+    rows = pd.DataFrame(compare(tmp_path, show=False)).set_index(["stage", "batch", "phase"])
+    checked = rows.loc[(2, 8)]
+    assert checked.loc["forward", "predicted_with_host_s"] == 1.0                     # the host bound wins
+    assert checked.loc["backward", "predicted_with_host_s"] == checked.loc["backward", "predicted_s"]
+    assert checked.loc["whole step", "predicted_with_host_s"] == pytest.approx(
+        sum(checked.loc[p, "predicted_with_host_s"] for p in ("forward", "backward", "step")))
+    assert rows.loc[(2, 1), "predicted_with_host_s"].isna().all()        # the fit itself
+    assert rows.loc[(3, 8), "predicted_with_host_s"].isna().all()        # no smaller stage-3 batch timed
