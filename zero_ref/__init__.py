@@ -9,6 +9,7 @@
 from .config import ZeroConfig
 from .engine import ZeroEngine, initialize
 from .presets import PAPER_CONFIGS, PaperConfig
+from .sharded_param import FreedParameterError
 
-__all__ = ["PAPER_CONFIGS", "PaperConfig", "ZeroConfig", "ZeroEngine", "initialize"]
+__all__ = ["FreedParameterError", "PAPER_CONFIGS", "PaperConfig", "ZeroConfig", "ZeroEngine", "initialize"]
 __version__ = "0.1.0"

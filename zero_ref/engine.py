@@ -48,12 +48,19 @@ compute and communication waits (experiments/throughput.py).
   Hugging Face's Switch Transformers router does so in every forward when the model is not in
   `router_dtype`) leaves the model reading a tensor the optimizer never updates: `step()` checks
   every parameter and, if any rank finds one, raises RuntimeError on every rank before anything is
-  updated. Write values with `param.data.copy_(...)` instead.
+  updated. Write values with `engine.load_state_dict(...)` (any stage, any precision) or in place
+  (`model.load_state_dict`, `nn.init`, `with torch.no_grad(): param.copy_(...)`, at stages 0-2):
+  in bf16/fp16 the step adopts such writes into the fp32 master, on every rank or, made on some
+  ranks only, not at all (ValueError on every rank). A write into `param.data` is invisible to
+  torch's count of in-place writes, so in bf16/fp16 the next step overwrites it.
+* A model belongs to one open engine; a stage-3 engine leaves its parameters without values (even
+  closed), and reading one outside the forward raises FreedParameterError (sharded_param.py).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections import defaultdict
 from pathlib import Path
 
@@ -66,7 +73,9 @@ from . import activations, checkpoint, materialize, tensor_parallel
 from .param_groups import ZeroOptimizer, agreement, agreement_stats, build_groups
 from .comm import Comm, CommLedger, label
 from .config import ZeroConfig
+from .manifest import persistent_buffers
 from .precision import LossScaler
+from .sharded_param import is_freed
 from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2
@@ -119,6 +128,7 @@ def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.Process
             raise ValueError(f"mesh must be a 2-D DeviceMesh with dimensions named 'dp' and 'mp', got "
                              f"dimensions {names or None} of shape {tuple(getattr(mesh, 'shape', ()))}")
         process_group, mp_group = mesh.get_group("dp"), mesh.get_group("mp")
+    _check_not_taken(model)
     materializer = None
     backend = str(dist.get_backend_config(process_group) if hasattr(dist, "get_backend_config")
                   else dist.get_backend(process_group))
@@ -190,6 +200,9 @@ class ZeroEngine:
         self.micro_step = 0   # backwards since the last step
         self.global_step = 0
         self._skipped_steps = 0
+        for param in params:
+            param.zero_ref_engine = weakref.ref(self)   # _check_not_taken: one open engine per model
+        self.stage.note_param_writes()
 
     def _start_from_rank0_rng(self, device: torch.device) -> None:
         """Sharded construction draws initial values on every rank: start them all from rank 0's RNG."""
@@ -265,12 +278,14 @@ class ZeroEngine:
         except ValueError as err:   # raised below on every rank alike, after the statistics
             hyper, hyper_error = None, err
         # [sum of squares, non-finite flag, one 0/1 per parameter: did it get a gradient?, the
-        # hyper-parameters' agreement fingerprint, how many parameters left the stage's buffers],
+        # hyper-parameters' agreement fingerprint, were the parameters written from outside (1/0),
+        # how many parameters left the stage's buffers],
         # summed over the ranks in one small all-reduce (gradients replicated on every rank, stage
         # 0: only rank 0's sum of squares and flag enter the sum; the first two and the last over
         # the MP ranks too), then read on the host: the step's one sync.
         detached = stage.detached()
-        extra = [*agreement_stats(hyper), float(len(detached))]
+        unfrozen = [p for p in self.frozen if p.requires_grad]   # trainable now, but never sharded
+        extra = [*agreement_stats(hyper), float(stage.params_written()), float(len(detached) + len(unfrozen))]
         stats = torch.cat([self._grad_stats(grads), stage.used_mask(extra)])
         self._sum_stats(stats, mp_slots=[0, 1, -1])
         # meta tensors (the engine at scale, at_scale.py) have no values: step as if every gradient
@@ -282,13 +297,14 @@ class ZeroEngine:
             sum_sq, nonfinite, used = 0.0, 0.0, [1.0] * n_used
         else:
             sum_sq, nonfinite, *rest = stats.tolist()
-            used, summed_agree, detached_anywhere = rest[:n_used], rest[n_used:-1], rest[-1]
+            used, summed_agree, written, detached_anywhere = rest[:n_used], rest[n_used:-2], rest[-2], rest[-1]
             if detached_anywhere:
-                raise RuntimeError(self._detached_message(detached))
+                raise RuntimeError(self._detached_message(detached, unfrozen))
             # a fake group (at_scale.py) sums nothing: every "sum" is this rank's own values
             problem = agreement(summed_agree, 1 if self.comm.backend == "fake" else self.comm.world_size)
             if problem:
                 raise hyper_error or ValueError(problem)
+            self._adopt_param_writes(written)
         if nonfinite:
             return self._skip_step()
         if not math.isfinite(sum_sq):        # finite gradients whose squares overflow fp32
@@ -304,22 +320,53 @@ class ZeroEngine:
                            stage.segment_updated)
         with label("zero_ref.after_update"):
             stage.after_update()
+        stage.note_param_writes()
         self._clear_step()
         self.scaler.update(found_overflow=False, step=self.global_step + self._skipped_steps + 1)
         self.global_step += 1
         return True
 
-    def _detached_message(self, detached: list[nn.Parameter]) -> str:
-        """Why step refuses, on every rank, when a parameter's .data was replaced on any rank."""
+    def _adopt_param_writes(self, ranks_written: float | None = None) -> None:
+        """Values written into the parameters in place since the engine last wrote them
+        (model.load_state_dict, nn.init, a no_grad copy_ in bf16/fp16; stage_base.py) become the
+        master's before anything reads it: on every rank, or, written on some ranks only, a
+        ValueError on every rank and nothing changed. ``ranks_written``: how many ranks found a write
+        (step sums it with its statistics; None: count it here)."""
+        if not self.stage.tracks_param_writes:
+            return
+        if ranks_written is None:
+            flag = torch.tensor([float(self.stage.params_written())], device=self.stage.device)
+            if self.comm.world_size > 1:
+                self.comm.all_reduce(flag, "sum", in_step=False)
+            ranks_written = flag.item()
+        everyone = 1 if self.comm.backend == "fake" else self.comm.world_size
+        if 0 < ranks_written < everyone:
+            raise ValueError(
+                f"the parameters were written from outside the engine (in place: load_state_dict, nn.init, copy_) "
+                f"on {int(ranks_written)} of {everyone} ranks: the ranks would train different models. Nothing "
+                "was changed; write the same values on every rank (engine.load_state_dict does it for you)")
+        if ranks_written:
+            self.stage.adopt_param_writes()
+
+    def _detached_message(self, detached: list[nn.Parameter], unfrozen: list[nn.Parameter]) -> str:
+        """Why step refuses, on every rank, when a parameter's .data was replaced on any rank (or a
+        parameter frozen at initialize was made trainable)."""
         names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
+        if unfrozen:
+            which = ", ".join(repr(names.get(id(p), "?")) for p in unfrozen)
+            return (f"parameters frozen at initialize were made trainable after it ({which} on this rank): the "
+                    "engine neither shards nor updates them. Nothing was updated on any rank. "
+                    "Set requires_grad before zero_ref.initialize (build a new engine for a new set of "
+                    "trainable parameters)")
         here = ", ".join(f"{names.get(id(p), '?')!r} (now {str(p.dtype).removeprefix('torch.')}, storage of its "
                          "own)" for p in detached)
         where = f"on this rank: {here}" if here else "on another rank"
         dtype = str(self.dtype).removeprefix("torch.")
-        return (f"zero-ref's parameters were replaced after initialize ({where}): something set their .data "
-                "(Module.to(dtype), .float(), .half(), param.data = ...), so the model no longer reads the values "
-                "the optimizer updates. Nothing was updated on any rank. Keep every trainable parameter in the "
-                f"engine's dtype ({dtype}) and write values with param.data.copy_(...) instead. Hugging Face's Switch "
+        return (f"zero-ref's parameters were replaced after initialize, or frozen ones made trainable ({where}): "
+                "something set their .data (Module.to(dtype), .float(), .half(), param.data = ...), so the model "
+                "no longer reads the values the optimizer updates. Nothing was updated on any rank. Keep every "
+                f"trainable parameter in the engine's dtype ({dtype}) and write values with "
+                "engine.load_state_dict(...) instead. Hugging Face's Switch "
                 "Transformers router calls self.classifier.to(router_dtype) in every forward: give it "
                 f"SwitchTransformersConfig(router_dtype='{dtype}').")
 
@@ -399,6 +446,7 @@ class ZeroEngine:
         with the parameter groups' hyper-parameters and, if given, `lr_scheduler`'s state. Returns the
         new checkpoint's folder; `path/latest` names it once it is complete."""
         self._check_open()
+        self._adopt_param_writes()
         return checkpoint.save_checkpoint(self, self._mp_path(path), keep, lr_scheduler)
 
     def load_checkpoint(self, path, lr_scheduler=None) -> None:
@@ -425,6 +473,45 @@ class ZeroEngine:
         """Steps skipped because a gradient was non-finite (fp16 overflow, or nonfinite='skip')."""
         return self._skipped_steps
 
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Give the model new values after initialize ({name: tensor of full shape}, the same on every
+        rank: a torch state_dict or what full_state_dict returned). Each rank copies its own pieces
+        into the fp32 master weights, then the parameters are rewritten from them; the optimizer's
+        moments and step counts are kept. The way to write values in bf16/fp16, where training reads
+        the master, not the parameter (a write into `param.data` would be lost at the next step), and
+        at stage 3, where a parameter has no values outside the forward. Checked before anything changes:
+        every trainable parameter present (under any of its names, tied ones under one), shapes as the
+        model's, no unknown key."""
+        self._check_open()
+        names = defaultdict(list)
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            names[id(param)].append(name)
+        buffers = dict(persistent_buffers(self.module))
+        known = {n for ns in names.values() for n in ns} | set(buffers)
+        problems = [f"unknown key {k!r}" for k in state_dict if k not in known]
+        source = {}
+        for param in [p for g in self.stage.groups for p in g.params] + self.frozen:
+            key = next((n for n in names[id(param)] if n in state_dict), None)
+            if key is None:
+                problems.append(f"missing {names[id(param)][0]!r}")
+            elif tuple(state_dict[key].shape) != tuple(param.shape):
+                problems.append(f"{key!r} has shape {tuple(state_dict[key].shape)}, the model's is {tuple(param.shape)}")
+            else:
+                source[id(param)] = state_dict[key].detach()
+        if problems:
+            raise ValueError("load_state_dict: " + "; ".join(problems) + ". Nothing was changed")
+        masters = self.stage.optimizer.masters
+        with torch.no_grad():
+            for param, start, end, g, offset in self.stage.owned_pieces():
+                piece = source[id(param)].reshape(-1)[start:end]
+                masters[g][offset:offset + end - start].copy_(piece.to(masters[g].device, masters[g].dtype))
+            for param in self.frozen:
+                param.data.copy_(source[id(param)].to(param.device, param.dtype))
+            for name, buffer in buffers.items():
+                if name in state_dict:
+                    buffer.data.copy_(state_dict[name].to(buffer.device, buffer.dtype))
+            self.stage.sync_params_from_master()
+
     def full_state_dict(self, rank0_only: bool = False, device: str | torch.device = "cpu"
                         ) -> dict[str, torch.Tensor]:
         """{name: fp32 tensor of full shape on `device`} for every parameter (a tied weight under each
@@ -432,6 +519,7 @@ class ZeroEngine:
         calls it. Groups are gathered one at a time, so the engine's device holds at most one full
         group beyond its shards; with `rank0_only` the other ranks return {} and hold no copy."""
         self._check_open()
+        self._adopt_param_writes()
         device = torch.device(device)
         keep = not rank0_only or self.comm.rank == 0
         names = defaultdict(list)
@@ -496,7 +584,7 @@ class ZeroEngine:
         """Remove every hook the engine registered and give its communication channels back (they
         are shared with the other engines on the same ranks, see comm.py). The model keeps its
         parameters (stage 3: their storage stays freed; take full_state_dict() first). Any method
-        but close then raises. Closing twice is a no-op."""
+        but close, memory_report and comm_stats then raises. Closing twice is a no-op."""
         if self.closed:
             return
         self.stage.close()
@@ -507,6 +595,20 @@ class ZeroEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_not_taken(model: nn.Module) -> None:
+    """A model belongs to one open engine at a time (its hooks and views are that engine's), and a
+    stage-3 engine leaves the parameters with no values (their storage freed, even once closed)."""
+    for name, param in model.named_parameters():
+        owner = getattr(param, "zero_ref_engine", lambda: None)()
+        if owner is not None and not owner.closed:
+            raise ValueError(f"parameter {name} already belongs to a zero-ref engine that is not closed: call "
+                             "engine.close() on it first (or use `with zero_ref.initialize(...) as engine:`)")
+        if is_freed(param):
+            raise ValueError(f"parameter {name} has no values: a stage-3 engine sharded it and kept them (they are "
+                             "freed here, even after close). Take engine.full_state_dict() before closing it and "
+                             "build the model again, or load a checkpoint into the new engine")
 
 
 def _make_stage(model: nn.Module, trainable: list[nn.Parameter], config: ZeroConfig, comm: Comm) -> Stage:

@@ -58,7 +58,10 @@ class GroupArrivals:
             shape = tuple(self.groups[g].params[i].shape)
             raise RuntimeError(
                 f"a gradient for a parameter of shape {shape} in group {g} arrived after that group was "
-                "reduced: a parameter's gradient was produced twice in one backward")
+                "reduced: a parameter's gradient was produced twice in one backward. Reentrant activation "
+                "checkpointing does this (torch.utils.checkpoint(..., use_reentrant=True) runs a backward of "
+                "its own per checkpoint, so a parameter used in two checkpoints, or inside and outside one, "
+                "gets two gradients): use use_reentrant=False")
         if not self.arrived[g][i]:
             self.arrived[g][i] = True
             self.missing[g] -= 1

@@ -33,6 +33,7 @@ gathered with the unit root whose forward used it.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 
@@ -47,6 +48,7 @@ from .gather_schedule import GatherSchedule
 from .grad_buffers import ShardedGradBuckets
 from .grad_hooks import GroupArrivals, register_grad_hooks
 from .partition import GroupLayout, bind_params_to, copy_params_into, make_group
+from .sharded_param import mark_sharded
 from .stage_base import Stage
 
 
@@ -102,6 +104,8 @@ class UnitState(enum.Enum):
 
 class Stage3(Stage):
     """Full parameter partitioning with per-unit gather, prefetch and release."""
+
+    params_sharded = True
 
     def __init__(self, model: nn.Module, trainable: list[nn.Parameter], config: ZeroConfig, comm: Comm,
                  materializer=None):
@@ -159,6 +163,7 @@ class Stage3(Stage):
         for module in [model, *[root for root, _ in units if root is not model]]:
             self.hooks.append(module.register_forward_pre_hook(self._enter))
             self.hooks.append(module.register_forward_hook(self._exit, always_call=True))
+        mark_sharded(model, trainable)   # reading a freed one raises instead of reading past its storage
         self._mark_shards_written()
 
     def _keep_own_pieces(self, param: nn.Parameter, g: int, start: int, end: int) -> None:
@@ -246,8 +251,8 @@ class Stage3(Stage):
         for g in units:
             self._release(g)
         if torch.is_grad_enabled() and units:
-            for tensor in tree_flatten(output)[0]:
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            for tensor in output_tensors(output):
+                if tensor.requires_grad:
                     tensor.register_hook(lambda grad, gs=tuple(units): self._before_backward(gs))
         if module is self.model and not self.in_backward:
             self._end_forward()
@@ -346,8 +351,9 @@ class Stage3(Stage):
 class _ExternalUseWatcher(TorchFunctionMode):
     """Sees every torch function call of a forward or backward made outside the stage's own code.
 
-    An operation that reads a parameter of a freed unit fails (its storage has no data); the watcher
-    then has the stage gather the unit (`Stage3.external_use`) and runs the operation again. A
+    An operation that reads a parameter of a freed unit fails (sharded_param.ShardedParameter raises
+    rather than read a storage with no data); the watcher then has the stage gather the unit
+    (`Stage3.external_use`) and runs the operation again. A
     parameter of a unit whose gather is still in flight has data that is not complete yet, so while
     any gather is in flight the watcher first waits for those among the arguments. Calls that only
     look at a parameter's metadata (shape, `.grad`, hooks) neither fail nor wait for long.
@@ -386,6 +392,21 @@ class _ExternalUseWatcher(TorchFunctionMode):
             for item in (arg if isinstance(arg, (list, tuple)) else (arg,)):
                 if isinstance(item, nn.Parameter) and id(item) in self.stage.unit_of_param:
                     yield item
+
+
+def output_tensors(output) -> list[torch.Tensor]:
+    """The tensors in a unit root's output, through lists, tuples and dicts (torch's pytree, which
+    also knows Hugging Face's ModelOutput) and dataclasses: each gets the hook that gathers the unit
+    before its backward. A tensor hidden anywhere else is missed, and the backward through it would
+    find the unit freed."""
+    found, pending = [], [output]
+    while pending:
+        for leaf in tree_flatten(pending.pop())[0]:
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+                pending.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))
+    return found
 
 
 def _module_name(model: nn.Module, module: nn.Module) -> str:

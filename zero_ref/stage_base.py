@@ -51,6 +51,7 @@ class Stage:
     cross-rank sum?) and build `self.groups` and `self.optimizer`."""
 
     grads_sharded = True
+    params_sharded = False   # stage 3: the parameters have no values outside the forward and backward
     replicated = False   # True when every rank holds all optimizer state (stage 0)
 
     def __init__(self, trainable: list[nn.Parameter], config: ZeroConfig, comm: Comm):
@@ -194,6 +195,40 @@ class Stage:
         for g in range(len(self.groups)):
             self.segment_updated(g)
         self.after_update()
+        self.note_param_writes()
+
+    # --- writes into the parameters from outside the engine (bf16/fp16, stages 0-2) ----------------
+    # Training reads the fp32 master; the parameters are its rounded copy. A value written into a
+    # parameter in place (model.load_state_dict, nn.init, a no_grad copy_) would be overwritten from
+    # the master at the next step, so the engine adopts it first. torch counts in-place writes per
+    # tensor (`_version`, shared by a buffer's views); a write into `param.data` is not counted.
+    @property
+    def tracks_param_writes(self) -> bool:
+        """Whether the parameters are a copy of a separate master (bf16/fp16, not stage 3, whose
+        parameters have no values outside the forward)."""
+        return not self.params_sharded and any(out is not None for out in self.optimizer.low_precision)
+
+    def _param_versions(self) -> list[int]:
+        return [param._version for group in self.groups for param in group.params]
+
+    def note_param_writes(self) -> None:
+        """The engine wrote the parameters: remember their versions."""
+        self.param_versions = self._param_versions() if self.tracks_param_writes else []
+
+    def params_written(self) -> bool:
+        """Whether something outside the engine wrote into the parameters since it last did."""
+        return self.tracks_param_writes and self._param_versions() != self.param_versions
+
+    def adopt_param_writes(self) -> None:
+        """Make the values written into this rank's pieces of the parameters its master's (only the
+        elements that differ from the rounded master: the others keep the master's full precision)."""
+        masters = self.optimizer.masters
+        with torch.no_grad():
+            for param, start, end, g, offset in self.owned_pieces():
+                written = param.detach().reshape(-1)[start:end]
+                master = masters[g][offset:offset + end - start]
+                master.copy_(torch.where(written != master.to(written.dtype), written.to(master.dtype), master))
+        self.note_param_writes()
 
     def close(self) -> None:
         """Remove every hook this stage registered."""

@@ -1,0 +1,194 @@
+"""Reading and writing parameters from outside the engine: exact answers or clear errors, never a
+read past a freed storage (which crashed the process, or returned garbage) or a write that the
+next step silently undoes.
+
+- Inside the forward, any operation on another unit's parameter gathers it (here a penalty on the
+  embedding, `weight.pow(2).sum()`, in the parent's forward), and a model whose output is a
+  dataclass gets its units gathered for backward: both exact against torch.optim.AdamW.
+- Outside the forward a parameter has no values at stage 3: reading one raises FreedParameterError
+  naming it, metadata still works.
+- A model belongs to one open engine; a stage-3 engine leaves it without values, even closed; a
+  parameter frozen at initialize and made trainable later is refused at the step.
+- `engine.load_state_dict` writes new values at every stage and precision; in bf16, values written
+  into the parameters in place (`model.load_state_dict`) are adopted by the fp32 master the step
+  reads (they used to be overwritten from it), and a write on one rank only is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from scenarios import ATOL, LR, cfg, local, lm_loss, state_error, token_batches
+from zero_ref.launch import spawn
+
+STEPS, BATCH, PENALTY = 4, 6, 1e-3
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    penalty: torch.Tensor
+
+
+class Penalised(nn.Module):
+    """Returns a dataclass; its forward reads the embedding's weight outside the embedding."""
+
+    def __init__(self, dim: int = 16, vocab: int = 23):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), nn.Linear(dim, dim))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> Output:
+        return Output(self.head(self.body(self.embed(tokens))), self.embed.weight.pow(2).sum())
+
+
+def _loss(out: Output, tokens: torch.Tensor) -> torch.Tensor:
+    return lm_loss(out.logits, tokens) + PENALTY * out.penalty
+
+
+def _reference(batches, world: int) -> dict:
+    model = Penalised()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    for tokens in batches:
+        (sum(_loss(model(part), part) for part in tokens.chunk(world)) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _ranks(rank: int, world: int) -> dict:
+    import zero_ref
+    from zero_ref.sharded_param import FreedParameterError
+
+    out = {}
+    for stage in range(4):
+        with zero_ref.initialize(Penalised(), cfg(stage)) as engine:
+            for tokens in token_batches(STEPS, BATCH):
+                part = local(tokens, rank, world)
+                engine.backward(_loss(engine(part), part))
+                engine.step()
+            out["trained", stage] = engine.full_state_dict()
+            weight = engine.module.head.weight
+            reads = {}
+            for name, read in {"sum": lambda: weight.sum(), "data": lambda: weight.data.copy_(weight.data),
+                               "state_dict": lambda: engine.module.state_dict()["head.weight"].clone(),
+                               "print": lambda: repr(weight)}.items():
+                try:
+                    read()
+                    reads[name] = None
+                except FreedParameterError as err:
+                    reads[name] = str(err)
+            out["reads", stage] = reads, tuple(weight.shape), tuple(torch.zeros_like(weight).shape)
+
+        # a parameter frozen at initialize, made trainable after it: step refuses on every rank
+        model = Penalised()
+        model.head.bias.requires_grad_(False)
+        with zero_ref.initialize(model, cfg(stage)) as engine:
+            model.head.bias.requires_grad_(True)
+            part = local(token_batches(1, BATCH)[0], rank, world)
+            engine.backward(_loss(engine(part), part))
+            try:
+                engine.step()
+                out["unfrozen", stage] = None
+            except RuntimeError as err:
+                out["unfrozen", stage] = str(err)
+
+        model = Penalised()
+        first = zero_ref.initialize(model, cfg(stage))
+        errors = []
+        for _ in range(2):
+            try:
+                zero_ref.initialize(model, cfg(stage)).close()
+                errors.append(None)
+            except ValueError as err:
+                errors.append(str(err))
+            first.close()
+        out["again", stage] = errors
+    return out
+
+
+@pytest.mark.parametrize("world", [2])
+def test_stage3_parameters_between_gathers_and_a_model_taken_twice(world):
+    results = spawn(_ranks, world, timeout=300)
+    expected = _reference(token_batches(STEPS, BATCH), world)
+    for out in results:
+        for stage in range(4):
+            assert state_error(out["trained", stage], expected) <= ATOL, stage
+            reads, shape, like = out["reads", stage]
+            assert shape == like == (23, 16)
+            if stage == 3:
+                assert all(err and "full_state_dict" in err for err in reads.values()), reads
+                assert "parameter head.weight is sharded" in reads["sum"]
+                assert "parameter embed.weight is sharded" in reads["state_dict"]   # its first parameter
+            else:
+                assert reads == dict.fromkeys(reads), reads
+            assert "frozen at initialize were made trainable after it ('head.bias'" in out["unfrozen", stage]
+            open_engine, closed = out["again", stage]
+            assert "already belongs to a zero-ref engine that is not closed" in open_engine
+            if stage == 3:
+                assert "has no values: a stage-3 engine sharded it" in closed
+            else:
+                assert closed is None
+
+
+def _load(rank: int, world: int) -> dict:
+    import zero_ref
+
+    out = {}
+    new = {k: torch.randn_like(v) for k, v in Penalised().state_dict().items()}
+    for stage in range(4):
+        with zero_ref.initialize(Penalised(), cfg(stage, dtype="bf16", lr=0.0, weight_decay=0.0)) as engine:
+            part = local(token_batches(1, BATCH)[0], rank, world)
+            engine.backward(_loss(engine(part), part))
+            engine.step()
+            engine.load_state_dict(new)
+            loaded = engine.full_state_dict()
+            engine.backward(_loss(engine(part), part))   # lr 0: a step changes nothing
+            engine.step()
+            errors = []
+            for bad in ({**new, "extra": torch.zeros(1)}, {k: v for k, v in new.items() if k != "head.bias"},
+                        {**new, "head.bias": torch.zeros(2)}):
+                try:
+                    engine.load_state_dict(bad)
+                except ValueError as err:
+                    errors.append(str(err))
+            out[stage] = loaded, engine.full_state_dict(), errors
+        if stage == 3:
+            continue
+        # in place, as torch users do: the step adopts the rounded values on every rank alike...
+        with zero_ref.initialize(Penalised(), cfg(stage, dtype="bf16", lr=0.0, weight_decay=0.0)) as engine:
+            engine.module.load_state_dict(new)
+            engine.backward(_loss(engine(part), part))
+            engine.step()
+            adopted = engine.full_state_dict()
+            # ...and refuses a write made on one rank only, changing nothing anywhere
+            if rank == 0:
+                with torch.no_grad():
+                    engine.module.head.bias.zero_()
+            engine.backward(_loss(engine(part), part))
+            try:
+                engine.step()
+                one_rank = None
+            except ValueError as err:
+                one_rank = str(err)
+            out["in place", stage] = adopted, one_rank
+    return out, new
+
+
+def test_load_state_dict_writes_the_master_at_every_stage_in_bf16():
+    for out, new in spawn(_load, 2, timeout=300):
+        rounded = {k: v.to(torch.bfloat16).float() for k, v in new.items()}
+        for stage in range(3):
+            adopted, one_rank = out.pop(("in place", stage))
+            assert state_error(adopted, rounded) == 0.0, stage
+            assert "written from outside the engine (in place" in one_rank and "on 1 of 2 ranks" in one_rank
+        for stage, (loaded, stepped, errors) in out.items():
+            assert state_error(loaded, new) == 0.0 and state_error(stepped, new) == 0.0, stage
+            assert "unknown key 'extra'" in errors[0] and "missing 'head.bias'" in errors[1]
+            assert "'head.bias' has shape (2,), the model's is (23,)" in errors[2] and len(errors) == 3
