@@ -184,8 +184,8 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
                     for nd in fixed.index)
         + ". So the mechanism is measured (the batch raises each rank's throughput), and aggregate throughput "
         "grows faster than Nd only where that gain beats what this machine loses by running more ranks at a "
-        "fixed batch (gloo's collectives and other processes on the same two cores: the timed steps' spread "
-        "is 15-55%). The mechanism, from the phases: a step has costs that do not grow with the "
+        "fixed batch (gloo's collectives and other processes on the same two cores: the validation runs' "
+        f"spread is {checks.spread.min():.0%}-{checks.spread.max():.0%}). The mechanism, from the phases: a step has costs that do not grow with the "
         "batch (`fixed_s`: the optimizer over the rank's shard, the reductions and the regather, which the "
         "model takes from the run's own counts) and the compute rate rises with tokens per GEMM "
         "(`calibration_rates.csv`), so samples/s per rank rises with the batch. "
@@ -199,7 +199,8 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
         *[f"- `{k}`: {v}" for k, v in v100.sources.items()], "",
         "Data-parallel traffic per step: the real engine at scale (one step on meta tensors as one rank of a "
         "fake group of Nd ranks), counted below the engine. `memory_gb`: the memory study's accounting of the "
-        "run (fragmentation 1.5%, the largest the fragmentation study measured); `largest_batch_32gb`: the "
+        f"run (fragmentation {paper_projection.FRAGMENTATION_MEASURED:.1%}, the largest the fragmentation study "
+        "measured); `largest_batch_32gb`: the "
         "largest batch per GPU it lets fit a 32 GB V100.", "",
         f"Goals (the issue): compute/communication-limited points within 15%: **{int(limited.within_goal.sum())} of "
         f"{len(limited)}**; the rest within 30%: **{int(rest.within_goal.sum())} of {len(rest)}** (the goal asks for "
