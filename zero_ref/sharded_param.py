@@ -74,9 +74,8 @@ class FreedParameterError(RuntimeError):
         super().__init__(
             f"stage 3: parameter {param.zero_ref_name} is sharded across the data-parallel ranks here (its "
             f"unit is gathered only inside the engine's forward and backward), so {what} cannot read it. "
-            "Read the values with engine.full_state_dict(); write them with engine.load_checkpoint or "
-            "initialize(..., state_dict=...); a model whose stage-3 engine was closed keeps no values: "
-            "build it again.")
+            "Read the values with engine.full_state_dict(); write them with engine.load_state_dict(...); a "
+            "model whose stage-3 engine was closed keeps no values: build it again.")
 
 
 def mark_sharded(model: nn.Module, params) -> None:

@@ -201,7 +201,7 @@ class Stage:
     # Training reads the fp32 master; the parameters are its rounded copy. A value written into a
     # parameter in place (model.load_state_dict, nn.init, a no_grad copy_) would be overwritten from
     # the master at the next step, so the engine adopts it first. torch counts in-place writes per
-    # tensor (`_version`, shared by a buffer's views); a write into `param.data` is not counted.
+    # parameter (`_version`); a write into `param.data` is not counted.
     @property
     def tracks_param_writes(self) -> bool:
         """Whether the parameters are a copy of a separate master (bf16/fp16, not stage 3, whose
