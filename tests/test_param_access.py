@@ -192,3 +192,29 @@ def test_load_state_dict_writes_the_master_at_every_stage_in_bf16():
             assert state_error(loaded, new) == 0.0 and state_error(stepped, new) == 0.0, stage
             assert "unknown key 'extra'" in errors[0] and "missing 'head.bias'" in errors[1]
             assert "'head.bias' has shape (2,), the model's is (23,)" in errors[2] and len(errors) == 3
+
+
+def _load_awkward(rank: int, world: int) -> dict:
+    import zero_ref
+    from awkward import AwkwardNet
+
+    torch.manual_seed(1)
+    new = {k: torch.randn_like(v) for k, v in AwkwardNet().state_dict().items()}
+    new["head.weight"] = new["embed.weight"]                 # one tied parameter under two names
+    out = {}
+    for stage in range(4):
+        with zero_ref.initialize(AwkwardNet(), cfg(stage, bucket_numel=37)) as engine:
+            try:
+                engine.load_state_dict({**new, "head.weight": new["embed.weight"] + 1})
+            except ValueError as err:
+                out["tied", stage] = str(err)
+            engine.load_state_dict(new)
+            out[stage] = engine.full_state_dict()
+    return out, new
+
+
+def test_load_state_dict_at_an_odd_world_size_with_tied_and_frozen_parameters():
+    for out, new in spawn(_load_awkward, 3, timeout=300):
+        for stage in range(4):
+            assert state_error(out[stage], new) == 0.0, stage
+            assert "'embed.weight' and 'head.weight' are one tied parameter but differ" in out["tied", stage]

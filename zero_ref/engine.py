@@ -480,7 +480,7 @@ class ZeroEngine:
         moments and step counts are kept. The way to write values in bf16/fp16, where training reads
         the master, not the parameter (a write into `param.data` would be lost at the next step), and
         at stage 3, where a parameter has no values outside the forward. Checked before anything changes:
-        every trainable parameter present (under any of its names, tied ones under one), shapes as the
+        every parameter present (a tied one under any of its names, equal under each), shapes as the
         model's, no unknown key."""
         self._check_open()
         names = defaultdict(list)
@@ -491,9 +491,12 @@ class ZeroEngine:
         problems = [f"unknown key {k!r}" for k in state_dict if k not in known]
         source = {}
         for param in [p for g in self.stage.groups for p in g.params] + self.frozen:
-            key = next((n for n in names[id(param)] if n in state_dict), None)
+            present = [n for n in names[id(param)] if n in state_dict]
+            key = present[0] if present else None
             if key is None:
                 problems.append(f"missing {names[id(param)][0]!r}")
+            elif any(not torch.equal(state_dict[n], state_dict[key]) for n in present[1:]):
+                problems.append(f"{' and '.join(map(repr, present))} are one tied parameter but differ")
             elif tuple(state_dict[key].shape) != tuple(param.shape):
                 problems.append(f"{key!r} has shape {tuple(state_dict[key].shape)}, the model's is {tuple(param.shape)}")
             else:
