@@ -61,13 +61,19 @@ def hardware_name(device: torch.device) -> str:
     return f"{info['cpu']} ({info['cores']} cores)"
 
 
+def synchronizer(device: torch.device | None):
+    """What waits for the device's queued work before a clock is read: ``torch.cuda.synchronize``
+    on CUDA, nothing on the CPU (None: the CPU), where every call returns when its work is done."""
+    return torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+
+
 def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
     """Run ``fn`` ``warmup`` times, then time ``repeats`` calls one by one; return the median.
 
     On CUDA each timed call is bracketed by ``torch.cuda.synchronize`` so the time covers the
     kernels, not just their launch.
     """
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     for _ in range(warmup):
         fn()
     times = []

@@ -73,7 +73,9 @@ def forward_backward_seconds(run, device: torch.device, reps: int, warmup: int =
     """Median seconds of ``run()`` (a forward ending in a scalar) and of that scalar's backward,
     both timed within the same iterations (on CUDA to the end of their kernels), so that whatever
     slows this rank down meanwhile (other ranks sharing its cores) weighs on both alike."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    from experiments.bench_kernels import synchronizer
+
+    sync = synchronizer(device)
     for _ in range(warmup):
         run().backward()
     forward, backward = [], []
@@ -97,13 +99,14 @@ def step_rate(group, width: int = 1024, reps: int = 9, sync=lambda: None, device
     model unlike the timed ones (four ``width`` x ``width`` linear layers); on ``device`` (None: the
     CPU), timed to the end of its kernels."""
     import zero_ref
+    from experiments.bench_kernels import synchronizer
 
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4))).to(device)
     params = sum(p.numel() for p in model.parameters())
     config = zero_ref.ZeroConfig(stage=0, dtype=dtype, bucket_numel=width * width)
     engine = zero_ref.initialize(model, config, group, device=device)
     x = torch.randn(8, width, device=device)
-    done = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+    done = synchronizer(device)
     times = []
     for _ in range(reps + 2):
         engine.backward(engine(x).square().mean())

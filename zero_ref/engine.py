@@ -300,8 +300,7 @@ class ZeroEngine:
             used, summed_agree, written, detached_anywhere = rest[:n_used], rest[n_used:-2], rest[-2], rest[-1]
             if detached_anywhere:
                 raise RuntimeError(self._detached_message(detached, unfrozen))
-            # a fake group (at_scale.py) sums nothing: every "sum" is this rank's own values
-            problem = agreement(summed_agree, 1 if self.comm.backend == "fake" else self.comm.world_size)
+            problem = agreement(summed_agree, self._ranks_summed)
             if problem:
                 raise hyper_error or ValueError(problem)
             self._adopt_param_writes(written)
@@ -326,6 +325,12 @@ class ZeroEngine:
         self.global_step += 1
         return True
 
+    @property
+    def _ranks_summed(self) -> int:
+        """How many ranks' values a sum over the data-parallel group adds up: a fake group (the
+        engine at scale, at_scale.py) sums nothing, so every "sum" is this rank's own value."""
+        return 1 if self.comm.backend == "fake" else self.comm.world_size
+
     def _adopt_param_writes(self, ranks_written: float | None = None) -> None:
         """Values written into the parameters in place since the engine last wrote them
         (model.load_state_dict, nn.init, a no_grad copy_ in bf16/fp16; stage_base.py) become the
@@ -339,7 +344,7 @@ class ZeroEngine:
             if self.comm.world_size > 1:
                 self.comm.all_reduce(flag, "sum", in_step=False)
             ranks_written = flag.item()
-        everyone = 1 if self.comm.backend == "fake" else self.comm.world_size
+        everyone = self._ranks_summed
         if 0 < ranks_written < everyone:
             raise ValueError(
                 f"the parameters were written from outside the engine (in place: load_state_dict, nn.init, copy_) "
@@ -473,6 +478,13 @@ class ZeroEngine:
         """Steps skipped because a gradient was non-finite (fp16 overflow, or nonfinite='skip')."""
         return self._skipped_steps
 
+    def _names_by_param(self) -> dict[int, list[str]]:
+        """{id(parameter): every name it has in the model} (a tied parameter has several)."""
+        names = defaultdict(list)
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            names[id(param)].append(name)
+        return names
+
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Give the model new values after initialize ({name: tensor of full shape}, the same on every
         rank: a torch state_dict or what full_state_dict returned). Each rank copies its own pieces
@@ -483,9 +495,7 @@ class ZeroEngine:
         every parameter present (a tied one under any of its names, equal under each), shapes as the
         model's, no unknown key."""
         self._check_open()
-        names = defaultdict(list)
-        for name, param in self.module.named_parameters(remove_duplicate=False):
-            names[id(param)].append(name)
+        names = self._names_by_param()
         buffers = dict(persistent_buffers(self.module))
         known = {n for ns in names.values() for n in ns} | set(buffers)
         problems = [f"unknown key {k!r}" for k in state_dict if k not in known]
@@ -525,9 +535,7 @@ class ZeroEngine:
         self._adopt_param_writes()
         device = torch.device(device)
         keep = not rank0_only or self.comm.rank == 0
-        names = defaultdict(list)
-        for name, param in self.module.named_parameters(remove_duplicate=False):
-            names[id(param)].append(name)
+        names = self._names_by_param()
         values: dict[str, torch.Tensor] = {}
         for g, group in enumerate(self.stage.groups):
             full = self.stage.full_master(g)
