@@ -58,3 +58,34 @@ def test_gloo_reduce_scatter_by_all_to_all_matches_torch(world, dtype):
             assert (r["own"] - r["native"]).abs().max().item() <= 2 * world * ulp * scale
             if world == 2 and dtype == torch.float32:   # a + b, then / 2: what gloo computes
                 assert torch.equal(r["own"], r["native"])
+
+
+def one_rank_collectives(rank: int, world: int) -> dict:
+    from zero_ref.collective_count import CountCollectives
+    from zero_ref.comm import Comm, CommLedger
+
+    comm = Comm(None, CommLedger(), torch.device("cpu"))
+    full = torch.randn(1001)
+    original = full.clone()
+    separate = torch.full_like(full, float("nan"))
+    with CountCollectives() as counter:
+        comm.all_reduce(full)
+        comm.reduce_scatter(full, full)                 # in place: the one rank's chunk is everything
+        comm.reduce_scatter(separate, full)
+        gathered = torch.full_like(full, float("nan"))
+        comm.all_gather(gathered, original, async_op=True).wait()
+        comm.all_gather(full, full)
+        comm.broadcast(full)
+    return {"unchanged": torch.equal(full, original), "separate": torch.equal(separate, original),
+            "gathered": torch.equal(gathered, original), "below": dict(counter.calls),
+            "ledger": dict(comm.ledger.current)}
+
+
+def test_collectives_over_one_rank_are_local_copies():
+    """World 1: nothing is sent (no call reaches the backend), each result is what the collective
+    gives over one rank, and the ledger still counts what the paper counts."""
+    (r,) = spawn(one_rank_collectives, 1, timeout=60)
+    assert r["unchanged"] and r["separate"] and r["gathered"]
+    assert r["below"] == {}
+    assert r["ledger"] == {"all_reduce": 2 * 1001, "reduce_scatter": 2 * 1001, "all_gather": 2 * 1001,
+                           "broadcast": 1001}

@@ -127,8 +127,9 @@ def test_megatron_all_reduces_per_block(runs):
     assert formula == 2 * (5 * 2 + 2) * bsh
     extra = row["moved_all_reduce"] - formula         # vocab-parallel loss statistics and the step's flags
     assert 0 <= extra <= 6 * 3 * 32 + 16, extra
-    # Pa: each block's input gathered once, before recomputation (beside the engine's own all-gathers)
-    assert row["moved_all_gather"] - row["ledger_all_gather"] == 2 * bsh
+    # Pa: each block's input gathered once, before recomputation; the engine's own all-gathers
+    # (counted in its ledger) are local copies over its data-parallel group of one rank
+    assert row["ledger_all_gather"] > 0 and row["moved_all_gather"] == 2 * bsh
 
 
 def test_largest_batch_grows_as_pos_g_shards_the_states():
