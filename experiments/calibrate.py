@@ -38,20 +38,25 @@ GRID_HIDDEN = (128, 256, 384)
 LINK_SIZES = (2**14, 2**16, 2**18, 2**20, 2**22)
 
 
+def model_head_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss the timed model's head ends in (models.ParallelGPT.forward, not split): the
+    vocabulary-parallel cross-entropy of each next token, its mean."""
+    from zero_ref.tensor_parallel import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits[:, :-1], labels[:, 1:], 0, None).mean()
+
+
 def compute_rates(vocab: int, seq: int = SEQ, tokens=GRID_TOKENS, hiddens=GRID_HIDDEN, reps: int = 5,
                   sync=lambda: None, device: torch.device = torch.device("cpu"),
-                  dtype: torch.dtype = torch.float32, head_loss=None) -> dict[str, dict]:
+                  dtype: torch.dtype = torch.float32, head_loss=model_head_loss) -> dict[str, dict]:
     """FLOP/s of a block's and of the head's forward and backward at each (tokens, hidden) in
     ``dtype`` on ``device`` (the CPU: at this process's thread count): {"block_forward":
     {(tokens, hidden): FLOP/s}, ...}. ``sync()`` runs before each measurement (a barrier, when
     several ranks measure at once). ``head_loss(logits, labels)``: the loss the head ends in
-    (default: F.cross_entropy over every position)."""
+    (default: the timed model's, ``model_head_loss``)."""
     from zero_ref.models import ParallelGPTBlock
 
     rates = {name: {} for name in ("block_forward", "block_backward", "head_forward", "head_backward")}
-    if head_loss is None:
-        def head_loss(logits, labels):
-            return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
     for hidden in hiddens:
         block = ParallelGPTBlock(hidden, hidden // 64, None, iter(range(10))).to(device, dtype)
         embedding = torch.randn(vocab, hidden, device=device, dtype=dtype, requires_grad=True)

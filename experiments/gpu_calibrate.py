@@ -45,8 +45,7 @@ def measure(out: Path, reps: int) -> dict:
     device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     start = time.perf_counter()
-    rates = calibrate.compute_rates(VOCAB, SEQ, GRID_TOKENS, GRID_HIDDEN, reps, device=device, dtype=torch.bfloat16,
-                                    head_loss=model_head_loss)
+    rates = calibrate.compute_rates(VOCAB, SEQ, GRID_TOKENS, GRID_HIDDEN, reps, device=device, dtype=torch.bfloat16)
     # the optimizer step at two sizes of four parameter groups each: a rate that grows with the size
     # shows fixed costs per step (the model takes the larger size's rate)
     adamw_by_width = {width: calibrate.step_rate(None, width=width, reps=reps, device=device, dtype="bf16")
@@ -73,13 +72,6 @@ def measure(out: Path, reps: int) -> dict:
     return cal
 
 
-def model_head_loss(logits, labels):
-    """The loss the timed model's head ends in (models.ParallelGPT.forward), not split."""
-    from zero_ref.tensor_parallel import vocab_parallel_cross_entropy
-
-    return vocab_parallel_cross_entropy(logits[:, :-1], labels[:, 1:], 0, None).mean()
-
-
 def _print_issue(block_issue: dict) -> None:
     for tokens, by_part in block_issue.items():
         for how, times in by_part.items():
@@ -97,6 +89,7 @@ def block_issue_times(device, reps: int, tokens: int = 8192, hidden: int = 1024)
 
     import torch
 
+    from experiments import calibrate
     from zero_ref.activations import checkpoint_blocks
     from zero_ref.models import ParallelGPTBlock
 
@@ -109,7 +102,7 @@ def block_issue_times(device, reps: int, tokens: int = 8192, hidden: int = 1024)
     for how in ("block, bare", "block, checkpointed", "head"):
         if how == "block, checkpointed":
             checkpoint_blocks(blocks, "plain")
-        run = (lambda: model_head_loss(torch.nn.functional.linear(x, embedding), labels)) if how == "head" \
+        run = (lambda: calibrate.model_head_loss(torch.nn.functional.linear(x, embedding), labels)) if how == "head" \
             else (lambda: blocks[0](x))
         issued, done = [], []
         for rep in range(reps + 2):
