@@ -11,7 +11,8 @@ AdamW rate and the collectives' latency and bandwidth. Nothing here is fitted to
   measuring at once: ranks that share the machine's cores, caches and memory bandwidth slow each
   other down, and that is part of what a rank of a p-rank run computes at;
 * **links**: at each world size p, all-reduce, reduce-scatter and all-gather of 16K..4M fp32
-  elements through the engine's own ``Comm`` over gloo, timed (median of the slowest rank), and
+  elements through the engine's own ``Comm`` over gloo, ``BURST`` calls in flight at once as the
+  engine issues them, timed (median of the slowest rank), and
   per kind one ring ``Link(bandwidth, latency)`` fitted by least squares to
   t = (p-1)/p·moved·4/bandwidth + hops·(p-1)·latency.
 
@@ -135,10 +136,17 @@ def _rates_at_world(rank: int, world: int, vocab: int, reps: int) -> tuple[dict,
     return rates, step_rate(alone[rank], sync=dist.barrier)
 
 
+BURST = 4
+"""Collectives issued back to back before the first wait, as the engine issues its bucket reductions
+and regathers (several in flight; the time per call is the burst's over BURST)."""
+
+
 def _time_collectives(rank: int, world: int, sizes, reps: int) -> list[dict]:
-    """Each collective the engine issues, timed through the engine's own ``Comm`` (zero_ref.comm):
-    what a step runs, not the backend's call of the same name (on gloo the engine's reduce-scatter
-    is an all-to-all and a local sum, 1.2-2x faster than gloo's own, measured at 2-4 ranks)."""
+    """Each collective the engine issues, timed through the engine's own ``Comm`` (zero_ref.comm)
+    as the engine issues it, ``BURST`` calls in flight before the first wait: what a step runs, not
+    a single blocking call of the backend's (on gloo the engine's reduce-scatter is an all-to-all
+    and a local sum, 1.2-2x faster than gloo's own; a burst pays the per-call latency less than
+    back-to-back blocking calls; both measured at 2-4 ranks)."""
     from zero_ref.comm import Comm, CommLedger
 
     torch.set_num_threads(1)          # as the timed runs' ranks
@@ -146,17 +154,19 @@ def _time_collectives(rank: int, world: int, sizes, reps: int) -> list[dict]:
     rows = []
     for numel in sizes:
         numel -= numel % world
-        full, shard = torch.randn(numel), torch.randn(numel // world)
-        ops = {"all_reduce": (lambda: comm.all_reduce(full), 2 * numel),
-               "reduce_scatter": (lambda: comm.reduce_scatter(shard, full), numel),
-               "all_gather": (lambda: comm.all_gather(full, shard), numel)}
-        for kind, (op, moved) in ops.items():
+        fulls = [torch.randn(numel) for _ in range(BURST)]
+        shards = [torch.randn(numel // world) for _ in range(BURST)]
+        ops = {"all_reduce": (lambda i: comm.all_reduce(fulls[i], async_op=True), 2 * numel),
+               "reduce_scatter": (lambda i: comm.reduce_scatter(shards[i], fulls[i], async_op=True), numel),
+               "all_gather": (lambda i: comm.all_gather(fulls[i], shards[i], async_op=True), numel)}
+        for kind, (issue, moved) in ops.items():
             times = []
             for rep in range(reps + 1):
                 dist.barrier()
                 start = time.perf_counter()
-                op()
-                elapsed = torch.tensor([time.perf_counter() - start])
+                for pending in [issue(i) for i in range(BURST)]:
+                    pending.wait()
+                elapsed = torch.tensor([(time.perf_counter() - start) / BURST])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 if rep:
                     times.append(elapsed.item())
@@ -217,6 +227,31 @@ def calibrate(vocab: int, quick: bool = False, worlds=(1, 2, 3, 4)) -> dict:
             "vocab": vocab, "seconds": time.perf_counter() - start}
 
 
+def average(before: dict, after: dict) -> dict:
+    """Two calibrations of the same world sizes (one taken before a study's runs, one after) as
+    one: each rate their geometric mean, the links fitted to both sets of timings. The machine
+    drifts while the runs take their turn; the two bracket that."""
+    def mean(a: float, b: float) -> float:
+        return (a * b) ** 0.5
+
+    rates = {w: {name: {point: mean(value, after["rates"][w][name][point]) for point, value in points.items()}
+                 for name, points in by_name.items()} for w, by_name in before["rates"].items()}
+    rows = before["link_rows"] + after["link_rows"]
+    links = {(w, kind): fit_link([r for r in rows if r["world"] == w and r["kind"] == kind])
+             for w, kind in before["links"]}
+    return {**before, "rates": rates, "adamw": {w: mean(v, after["adamw"][w]) for w, v in before["adamw"].items()},
+            "links": links, "link_rows": rows, "seconds": before["seconds"] + after["seconds"],
+            "drift": {w: drift(before, after, w) for w in before["worlds"]}}
+
+
+def drift(before: dict, after: dict, world: int) -> float:
+    """How far the machine moved between two calibrations at ``world``: the median over the compute
+    rates' grid points of |after / before - 1|."""
+    changes = [abs(after["rates"][world][name][point] / value - 1.0)
+               for name, points in before["rates"][world].items() for point, value in points.items()]
+    return statistics.median(changes)
+
+
 def merge(earlier: dict, later: dict) -> dict:
     """Two calibrations as one: ``later``'s world sizes replace ``earlier``'s (a study calibrates
     each world size just before it times runs there, so that the machine's drift over the study,
@@ -228,16 +263,18 @@ def merge(earlier: dict, later: dict) -> dict:
     rows = [row for row in earlier["link_rows"] if row["world"] not in later["worlds"]] + later["link_rows"]
     return {**earlier, "worlds": worlds, "rates": earlier["rates"] | later["rates"],
             "adamw": earlier["adamw"] | later["adamw"], "links": links, "link_rows": rows,
-            "seconds": earlier["seconds"] + later["seconds"]}
+            "seconds": earlier["seconds"] + later["seconds"],
+            "drift": earlier.get("drift", {}) | later.get("drift", {})}
 
 
 def cpu_cluster(cal: dict, world: int, alone: bool = False) -> pm.Cluster:
     """The perf_model.Cluster of ``world`` one-thread ranks on this machine (one node): compute at
     the rates measured with ``world`` ranks computing at once (``alone``: with one, as if every rank
-    had the machine to itself), collectives at the links fitted at ``world``."""
+    had the machine to itself), smoothed over the grid (``Rate.fitted``: a single point measured
+    while ranks share two cores is off by 10-15%), collectives at the links fitted at ``world``."""
     by_kind = {kind: link for (w, kind), link in cal["links"].items() if w == world}
     link = by_kind.get("all_reduce", pm.Link(float("inf"), 0.0))
     at = 1 if alone else world
-    rates = {name: pm.Rate(points) for name, points in cal["rates"][at].items()}
+    rates = {name: pm.Rate.fitted(points) for name, points in cal["rates"][at].items()}
     return pm.Cluster(f"this machine, {world} one-thread rank(s)", rates, cal["adamw"][at], world, link,
                       link.bandwidth, link.latency, pm.Link(float("inf"), 0.0), intra_by_kind=by_kind)

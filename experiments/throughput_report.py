@@ -148,10 +148,13 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
         "is counted** (96·b·s·l·h²·(1 + s/6h + V/16lh)); the paper does not say how it counted.", "",
         "## 1. The model against timed runs on this machine", "",
         "Calibration (measured now, `experiments/calibrate.py`): block and head FLOP rates on a (tokens, hidden) "
-        "grid, the engine's optimizer step per element, and gloo's all-reduce / reduce-scatter / all-gather "
-        "fitted per world size to a ring (latency, bandwidth): `calibration_rates.csv`, `calibration_links.csv`. "
-        "Each world size is calibrated just before its runs: this machine is shared and its speed drifts "
-        "by tens of percent over minutes. "
+        "grid (the model uses the smooth log-log surface fitted through the grid, `Rate.fitted`), the engine's "
+        "optimizer step per element, and the engine's own all-reduce / reduce-scatter / all-gather over gloo "
+        "(several in flight, as the engine issues them) fitted per world size to a ring (latency, bandwidth): "
+        "`calibration_rates.csv`, `calibration_links.csv`. "
+        "Each world size is calibrated just before and again just after its runs, and the model takes the "
+        "two's average: this machine is shared and its speed drifts by tens of percent over minutes "
+        "(`drift`: the median change of a compute rate between the two calibrations). "
         "Validation: a held-out model (6 x 320, 10 heads, batch 3 x 128 tokens: between the grid's points), "
         "one thread per rank, each phase's median over timed steps (each step's phase: the ranks' mean; the "
         "whole step: the slowest rank's) against the model's prediction "
@@ -163,7 +166,7 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
         f"{median_error:.1%}. `spread` is (slowest - fastest) / median of the timed steps: "
         "this machine is shared, so a single run's phases move by that much.", "",
         *_table(checks, ["world", "stage", "mp", "checkpoints", "phase", "measured_s", "predicted_s", "ratio",
-                         "spread"], 3), "",
+                         "spread", "drift"], 3), "",
         "## 2. Superlinear scaling at our scale (Sec 10.3's mechanism, measured)", "",
         f"Pos+g (stage 2), model 4 x 256 (vocab {throughput_study.VOCAB}, seq 128), fp32, one thread per rank; "
         f"a per-rank budget of {scaling.budget_mb.iloc[0]:.1f} MB, set so that batch 2 fits one rank (the "

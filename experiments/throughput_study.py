@@ -2,9 +2,10 @@
 scaling reproduced by the mechanism the paper names (Sec 10.3), measured.
 
 1. **Calibration** (experiments/calibrate.py): block/head FLOP rates on a (tokens, hidden) grid,
-   the AdamW rate and gloo's collectives, measured on this machine now: each world size just
-   before the runs at that size (the machine is shared, and its speed drifts by tens of percent
-   over minutes: measured 0.485 s and 0.363 s for the same run 90 minutes apart).
+   the AdamW rate and the engine's collectives, measured on this machine now: each world size just
+   before and again just after the runs at that size, the two averaged (the machine is shared, and
+   its speed drifts by tens of percent over minutes: measured 0.485 s and 0.363 s for the same run
+   90 minutes apart; ``drift`` in validation.csv says how far the two calibrations lie apart).
 2. **Validation**: timed runs (experiments/throughput.py) of a held-out model (its width and batch
    lie between the calibration grid's points) at world 1-4 and stages 0-3, plus one
    model-parallel run (MP 2, Pa); each phase (forward, backward, step) and the whole step
@@ -73,40 +74,54 @@ def predicted(row: dict, cal: dict, one_core_per_rank: bool = False) -> pm.Predi
     return pm.predict(step, calibrate.cpu_cluster(cal, int(row["world_size"]), alone=one_core_per_rank))
 
 
-def validation(cal: dict, out: str, quick: bool, world: int) -> pd.DataFrame:
-    """Predicted vs measured per phase for the held-out runs at ``world`` ranks (at 2, also MP 2)."""
-    runs = [(world, replace(HELD_OUT, stage=s)) for s in ((0, 3) if quick else (0, 1, 2, 3))]
+def calibrated_around(cal: dict, world: int, quick: bool, timed_runs) -> tuple[dict, list]:
+    """Calibrate ``world`` ranks before and after ``timed_runs()`` (which times runs there and returns
+    them); the calibration merged into ``cal`` is the two's average (``calibrate.average``: this
+    machine is shared and drifts while the runs take their turn; ``drift`` says how far)."""
+    before = calibrate.calibrate(VOCAB, quick, worlds=(world,))
+    runs = timed_runs()
+    after = calibrate.calibrate(VOCAB, quick, worlds=(world,))
+    return calibrate.merge(cal, calibrate.average(before, after)), runs
+
+
+def validation_runs(out: str, quick: bool, world: int) -> list[dict]:
+    """The held-out model's timed runs at ``world`` ranks, every stage (at 2, also MP 2 with Pa)."""
+    specs = [replace(HELD_OUT, stage=s) for s in ((0, 3) if quick else (0, 1, 2, 3))]
     if world == 2:
-        runs.append((2, replace(HELD_OUT, stage=1, mp=2, checkpoints="pa")))
+        specs.append(replace(HELD_OUT, stage=1, mp=2, checkpoints="pa"))
+    return [timed(spec, world, out) for spec in specs]
+
+
+def validation(cal: dict, runs: list[dict]) -> pd.DataFrame:
+    """Predicted vs measured per phase (and the whole step) for timed runs."""
     rows = []
-    for world, spec in runs:
-        row = timed(spec, world, out)
-        p = predicted(row, cal)
+    for row in runs:
+        p, world = predicted(row, cal), int(row["world_size"])
         phases = p.phases()
         for phase in ("forward", "backward", "step", "total"):
             measured = float(row["median_step_s"] if phase == "total" else row[f"{phase}_s"])
             model = p.seconds if phase == "total" else phases[phase]
-            rows.append({"world": world, "stage": spec.stage, "mp": spec.mp, "checkpoints": spec.checkpoints,
-                         "batch": spec.batch, "phase": phase, "measured_s": measured, "predicted_s": model,
-                         "ratio": model / measured, "spread": float(row["spread"])})
+            rows.append({"world": world, "stage": int(row["stage"]), "mp": int(row["mp"]),
+                         "checkpoints": row["checkpoints"], "batch": int(row["batch"]), "phase": phase,
+                         "measured_s": measured, "predicted_s": model, "ratio": model / measured,
+                         "spread": float(row["spread"]), "drift": cal.get("drift", {}).get(world, float("nan"))})
     return pd.DataFrame(rows)
 
 
 def superlinear(cal: dict, out: str, quick: bool) -> pd.DataFrame:
     """Nd = 1, 2, 4 (quick: 1, 2) under one per-rank budget: the batch that fits, timed at that batch
     and at Nd=1's, with the model's prediction beside each (and with one core per rank); each Nd
-    calibrated again just before its runs."""
+    calibrated again around its runs."""
     base = SUPERLINEAR
     budget = step_peak_bytes(base, 1, 2) * 1.02
     fits = {nd: max_batch(base, nd, budget) for nd in ((1, 2) if quick else (1, 2, 4))}
     first_step = {nd: step_peak_bytes(base, nd, b, steady=False) for nd, b in fits.items()}
     rows = []
     for nd, batch in fits.items():
-        cal = calibrate.merge(cal, calibrate.calibrate(VOCAB, quick, worlds=(nd,)))
-        for label, b in (("batch that fits", batch), ("Nd=1's batch", fits[1])):
-            if label == "Nd=1's batch" and nd == 1:
-                continue
-            row = timed(replace(base, batch=b), nd, out)
+        cases = [("batch that fits", batch)] + ([("Nd=1's batch", fits[1])] if nd > 1 else [])
+        cal, runs = calibrated_around(cal, nd, quick,
+                                      lambda: [timed(replace(base, batch=b), nd, out) for _, b in cases])
+        for (label, b), row in zip(cases, runs):
             model, one_core = predicted(row, cal), predicted(row, cal, one_core_per_rank=True)
             rows.append({"nd": nd, "case": label, "batch": b, "budget_mb": budget / 1e6,
                          "first_step_peak_mb": first_step[nd] / 1e6 if b == batch else float("nan"),
@@ -149,9 +164,9 @@ def run(out, quick: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     runs = str(out / "runs")
     cal, checks = {}, []
-    for world in (1, 2) if quick else (1, 2, 3, 4):     # each world size calibrated just before its runs
-        cal = calibrate.merge(cal, calibrate.calibrate(VOCAB, quick, worlds=(world,)))
-        checks.append(validation(cal, runs, quick, world))
+    for world in (1, 2) if quick else (1, 2, 3, 4):     # each world size calibrated around its runs
+        cal, timed_rows = calibrated_around(cal, world, quick, lambda: validation_runs(runs, quick, world))
+        checks.append(validation(cal, timed_rows))
     rates, links = calibration_frames(cal)
     rates.to_csv(out / "calibration_rates.csv", index=False)
     links.to_csv(out / "calibration_links.csv", index=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+
 import pytest
 
 from experiments import calibrate, paper_projection
@@ -207,7 +208,13 @@ def test_cpu_cluster_from_a_calibration():
     spec = pm.StepSpec(1, 64, 128, 256, 1, 4, 1, 2, "none", 4, {"all_gather": 1e6}, {"all_gather": 2}, 1e6)
     p, p_alone = pm.predict(spec, cluster), pm.predict(spec, calibrate.cpu_cluster(cal, 4, alone=True))
     assert p.terms["optimizer"] == pytest.approx(1e-2) and p_alone.terms["optimizer"] == pytest.approx(5e-3)
-    assert p.terms["dp_step"] == pytest.approx(0.75 * 4e6 / 2e9 + 2 * 3 * 1e-4) == p_alone.terms["dp_step"]
+    statistics = 2 * 3 * 1e-4           # the step's all-reduce of a few numbers: 2 (p-1) hops of latency
+    assert p.terms["dp_step"] == pytest.approx(0.75 * 4e6 / 2e9 + 2 * 3 * 1e-4 + statistics) == p_alone.terms["dp_step"]
+    # stage 0: of its all-reduce calls, one is the statistics (in the step), the rest reduce gradients
+    spec = pm.StepSpec(1, 64, 128, 256, 1, 4, 1, 0, "none", 4, {"all_reduce": 2e6}, {"all_reduce": 3}, 1e6)
+    p = pm.predict(spec, cluster)
+    assert p.terms["dp_backward"] == pytest.approx(0.75 * 2e6 * 4 / 1e9 + 2 * 2 * 3 * 1e-4)   # 2 calls
+    assert p.terms["dp_step"] == pytest.approx(statistics)
     assert p.terms["forward"] == pytest.approx(pm.training_flops(1, 64, 128, 256, 1)["forward"] / 1e9)
     assert p_alone.terms["forward"] == pytest.approx(p.terms["forward"] / 2)
 
@@ -235,6 +242,40 @@ def test_calibrations_average_ranks_and_merge_by_world_size():
     assert merged["worlds"] == [1, 2] and merged["rates"] == {1: one, 2: rates} and merged["adamw"] == {1: 1.0, 2: 3.0}
     assert merged["links"] == {(2, "all_gather"): pm.Link(2.0, 0.0)} and merged["link_rows"] == [{"world": 2, "again": True}]
     assert merged["seconds"] == 3.0 and calibrate.merge({}, again) is again
+
+
+def test_calibrations_before_and_after_runs_average_and_say_how_far_they_drifted():
+    def timings(bandwidth, latency):
+        return [{"world": 2, "kind": "all_gather", "moved": n, "seconds": 0.5 * n * 4 / bandwidth + latency}
+                for n in (2**14, 2**18, 2**22)]
+
+    def cal(scale, bandwidth):
+        rates = {"block_forward": {(128, 64): 4e9 * scale, (256, 64): 8e9 * scale}}
+        return {"worlds": [2], "rates": {2: rates}, "adamw": {2: 1e8 * scale}, "seconds": 1.0,
+                "links": {(2, "all_gather"): None}, "link_rows": timings(bandwidth, 1e-4)}
+
+    both = calibrate.average(cal(1.0, 1e9), cal(1.21, 1e9))
+    assert both["rates"][2]["block_forward"][(128, 64)] == pytest.approx(4e9 * 1.1)     # geometric mean
+    assert both["adamw"][2] == pytest.approx(1.1e8) and both["seconds"] == 2.0
+    assert both["drift"] == {2: pytest.approx(0.21)}
+    link = both["links"][(2, "all_gather")]                 # fitted to both sets of timings
+    assert link.bandwidth == pytest.approx(1e9) and link.latency == pytest.approx(1e-4)
+    assert calibrate.merge({"worlds": [1], "rates": {}, "adamw": {}, "links": {}, "link_rows": [], "seconds": 0.0,
+                            "drift": {1: 0.05}}, both)["drift"] == {1: 0.05, 2: pytest.approx(0.21)}
+
+
+def test_a_fitted_rate_is_the_smooth_surface_through_noisy_points():
+    def surface(t, h):
+        return math.exp(20 + 0.3 * math.log(t) + 0.2 * math.log(h) - 0.02 * math.log(t) * math.log(h))
+
+    grid = [(t, h) for t in (128, 256, 512, 1024) for h in (128, 256, 384)]
+    exact = pm.Rate.fitted({p: surface(*p) for p in grid})
+    assert exact(384, 320) == pytest.approx(surface(384, 320), rel=1e-9)     # between the points: the surface
+    noisy = {p: surface(*p) * (1.15 if p == (256, 256) else 1.0) for p in grid}   # one point 15% off
+    assert abs(pm.Rate.fitted(noisy)(256, 256) / surface(256, 256) - 1) < 0.15 / 2
+    assert pm.Rate(noisy)(256, 256) == pytest.approx(1.15 * surface(256, 256))   # interpolation keeps the error
+    few = {(128, 64): 1.0, (256, 64): 2.0}                                       # nothing to smooth
+    assert pm.Rate.fitted(few).points == few
 
 
 def test_forward_and_backward_are_timed_apart_in_the_same_iterations():

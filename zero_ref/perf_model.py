@@ -14,7 +14,8 @@ A rank's step time is the sum of terms, each of which can be measured on its own
     pa_comm      Pa's all-gather of each checkpoint (1 x seq x hidden per block, Sec 8)
     host         Pa+cpu: each checkpoint slice to the host and back (2x Pa's bytes, Sec 8)
     dp_comm      the engine's own collectives per step (elements and calls by kind, counted at
-                 scale by ``dp_traffic``), not hidden behind compute (``dp_overlap`` of them is)
+                 scale by ``dp_traffic``), not hidden behind compute (``dp_overlap`` of them is);
+                 one all-reduce is the step's statistics, a few numbers: its latency, in the step
     optimizer    this rank's AdamW segment, elements / elements per second
 
 A collective over p ranks on a ring (what NCCL and gloo run) costs ``(p-1)/p * moved * bytes /
@@ -72,6 +73,29 @@ class Rate:
     def constant(cls, flops_per_s: float) -> "Rate":
         return cls({(1, 1): float(flops_per_s)})
 
+    @classmethod
+    def fitted(cls, points: dict) -> "Rate":
+        """The smooth rate through noisy measured ``points``: log FLOP/s fitted by least squares to
+        a + b·log t + c·log h + d·log t·log h (the terms the grid can tell apart), evaluated on the
+        grid. Interpolating those values is that surface exactly, so each prediction rests on every
+        measurement, not only on the four around it; a grid too small to fit keeps its values."""
+        import numpy as np
+
+        keys = list(points)
+        log_t, log_h = (np.log([k[i] for k in keys]) for i in (0, 1))
+        columns = [np.ones(len(keys))]
+        if len(set(log_t)) > 1:
+            columns.append(log_t)
+        if len(set(log_h)) > 1:
+            columns.append(log_h)
+        if len(columns) == 3:
+            columns.append(log_t * log_h)
+        design = np.stack(columns, axis=1)
+        if len(keys) <= design.shape[1]:
+            return cls(dict(points))
+        coef, *_ = np.linalg.lstsq(design, np.log([points[k] for k in keys]), rcond=None)
+        return cls({k: float(v) for k, v in zip(keys, np.exp(design @ coef))})
+
     def __call__(self, tokens: float, hidden: float) -> float:
         ts = sorted({t for t, _ in self.points})
         hs = sorted({h for _, h in self.points})
@@ -99,6 +123,11 @@ class Link:
 
 
 HOPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+
+STEP_STATS_CALLS = 1
+"""All-reduces of the step's statistics (gradient norm, overflow flag, agreement checks: a few
+numbers, engine.step) per step, over the data-parallel group and, with MP, the MP group: one of the
+data-parallel group's all-reduce calls, whose latency the model puts in the step."""
 
 
 def collective_seconds(kind: str, moved: float, elem_bytes: float, ranks: int, link: Link,
@@ -222,17 +251,24 @@ def predict(spec: StepSpec, cluster: Cluster) -> Prediction:
                      if spec.checkpoints == "pa_cpu" else 0.0)
     # data parallelism: each DP group has one member per MP group; MP groups fill nodes first
     dp_members_per_node = max(1, cluster.ranks_per_node // nm)
-    dp = {kind: collective_seconds(kind, moved, spec.elem_bytes, spec.nd,
-                                   cluster.link(spec.nd, min(spec.nd, dp_members_per_node), kind),
-                                   spec.dp_calls.get(kind, 1))
+    dp_link = {kind: cluster.link(spec.nd, min(spec.nd, dp_members_per_node), kind) for kind in HOPS}
+    # one of the all-reduces is the step's statistics (a few numbers, latency only), in the step
+    calls = dict(spec.dp_calls)
+    if spec.dp_moved.get("all_reduce"):
+        calls["all_reduce"] = max(calls.get("all_reduce", 1) - STEP_STATS_CALLS, 0)
+    dp = {kind: collective_seconds(kind, moved, spec.elem_bytes, spec.nd, dp_link[kind], calls.get(kind, 1))
           for kind, moved in spec.dp_moved.items()}
+    stats = collective_seconds("all_reduce", 0, spec.elem_bytes, spec.nd, dp_link["all_reduce"], STEP_STATS_CALLS)
+    if nm > 1:                    # and again over the MP group
+        stats += collective_seconds("all_reduce", 0, spec.elem_bytes, nm, mp_link, STEP_STATS_CALLS)
     exposed = 1.0 - cluster.dp_overlap
     reductions = dp.get("reduce_scatter", 0.0) + dp.get("all_reduce", 0.0)
     gathers = dp.get("all_gather", 0.0) + dp.get("broadcast", 0.0)
     if spec.stage == 3:           # gathers in forward and backward (half each), reductions in backward
-        terms.update(dp_forward=exposed * gathers / 2, dp_backward=exposed * (gathers / 2 + reductions), dp_step=0.0)
+        terms.update(dp_forward=exposed * gathers / 2, dp_backward=exposed * (gathers / 2 + reductions),
+                     dp_step=stats)
     else:                         # reductions in backward, the regather after the update (stages 1-2)
-        terms.update(dp_forward=0.0, dp_backward=exposed * reductions, dp_step=gathers)
+        terms.update(dp_forward=0.0, dp_backward=exposed * reductions, dp_step=gathers + stats)
     terms["optimizer"] = spec.optimizer_elements / cluster.adamw_rate
     return Prediction(terms, sum(terms.values()), f["total"] / nm)
 
