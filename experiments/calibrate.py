@@ -267,14 +267,17 @@ def merge(earlier: dict, later: dict) -> dict:
             "drift": earlier.get("drift", {}) | later.get("drift", {})}
 
 
-def cpu_cluster(cal: dict, world: int, alone: bool = False) -> pm.Cluster:
+def cpu_cluster(cal: dict, world: int, alone: bool = False, smooth: bool = True) -> pm.Cluster:
     """The perf_model.Cluster of ``world`` one-thread ranks on this machine (one node): compute at
     the rates measured with ``world`` ranks computing at once (``alone``: with one, as if every rank
     had the machine to itself), smoothed over the grid (``Rate.fitted``: a single point measured
-    while ranks share two cores is off by 10-15%), collectives at the links fitted at ``world``."""
+    while ranks share two cores is off by 10-15%; ``smooth=False`` keeps the measured points, as for
+    one rank on an idle GPU, whose rates are not noisy and follow no smooth surface), collectives at
+    the links fitted at ``world``."""
     by_kind = {kind: link for (w, kind), link in cal["links"].items() if w == world}
     link = by_kind.get("all_reduce", pm.Link(float("inf"), 0.0))
     at = 1 if alone else world
-    rates = {name: pm.Rate.fitted(points) for name, points in cal["rates"][at].items()}
+    rate = pm.Rate.fitted if smooth else pm.Rate
+    rates = {name: rate(points) for name, points in cal["rates"][at].items()}
     return pm.Cluster(f"this machine, {world} one-thread rank(s)", rates, cal["adamw"][at], world, link,
                       link.bandwidth, link.latency, pm.Link(float("inf"), 0.0), intra_by_kind=by_kind)

@@ -57,21 +57,25 @@ def timed(spec: RunSpec, world: int, out: str) -> dict:
     return throughput_main(_argv(spec, world, out))
 
 
-def predicted(row: dict, cal: dict, one_core_per_rank: bool = False) -> pm.Prediction:
+def predicted(row: dict, cal: dict, one_core_per_rank: bool = False, smooth: bool = True) -> pm.Prediction:
     """The model's step for a timed run's row: its shape and world, its own collective counts
-    (``one_core_per_rank``: as if every rank had its cores to itself)."""
+    (``one_core_per_rank``: as if every rank had its cores to itself; ``smooth``: see
+    calibrate.cpu_cluster)."""
     spec = RunSpec(**{k: type(getattr(RunSpec, k))(row[k]) if not isinstance(getattr(RunSpec, k), bool)
                       else str(row[k]) == "True" for k in RunSpec.__dataclass_fields__})
     nd = int(row["nd"])
     moved = {k: float(row.get(f"ledger_{k}") or 0) for k in ("all_reduce", "reduce_scatter", "all_gather",
                                                                "broadcast")}
     calls = {k: float(row.get(f"calls_{k}") or 0) for k in moved}
-    if spec.mp > 1:       # the model-parallel all-reduces are the model's, not the engine's
-        calls["all_reduce"] = max(1.0, calls["all_reduce"] - (spec.layers * 5 + 2))
+    if spec.mp > 1:       # below the engine the MP group's all-reduces are counted too: the model's
+        blocks = 2 + (3 if spec.checkpoints != "none" else 2)      # per block, forward and backward
+        model_calls = blocks * spec.layers + 2 + 2 + pm.STEP_STATS_CALLS   # embedding, head, loss, MP stats
+        calls["all_reduce"] = max(1.0, calls["all_reduce"] - model_calls)
     step = pm.StepSpec(spec.layers, spec.hidden, spec.seq, spec.vocab, spec.batch, nd, spec.mp, spec.stage,
                        spec.checkpoints, 4, {k: v for k, v in moved.items() if v}, calls,
                        pm.optimizer_elements(int(row["local_params"]), spec.stage, nd))
-    return pm.predict(step, calibrate.cpu_cluster(cal, int(row["world_size"]), alone=one_core_per_rank))
+    return pm.predict(step, calibrate.cpu_cluster(cal, int(row["world_size"]), alone=one_core_per_rank,
+                                                  smooth=smooth))
 
 
 def calibrated_around(cal: dict, world: int, quick: bool, timed_runs) -> tuple[dict, list]:

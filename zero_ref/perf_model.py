@@ -6,11 +6,13 @@ A rank's step time is the sum of terms, each of which can be measured on its own
     backward     blocks' backward FLOPs (2x forward) / backward rate, + checkpoint recomputation
                  (one more forward) / forward rate
     head         the logits and the loss, forward and backward, each at its own rate
-    mp_comm      Megatron's all-reduces of batch x seq x hidden values: per block 2 in forward,
-                 2 in backward and, with checkpointing, 1 in recomputation (torch's checkpoint
-                 stops recomputing once the last saved tensor is back, before the MLP's
-                 all-reduce; the paper's "12 x seq x hidden" of Sec 8 counts a full recomputation,
-                 2 all-reduces, each of n moving 2n), plus 2 per step for the embedding and head
+    mp_forward   Megatron's all-reduces of batch x seq x hidden values in forward: 2 per block
+                 and 1 for the embedding; plus the vocabulary-parallel loss's two small ones (the
+                 max, then the sum of exponentials with the target logit: 1 and 2 values per token)
+    mp_backward  the same in backward: 2 per block, 1 for the head and, with checkpointing, 1 per
+                 block in recomputation (torch's checkpoint stops recomputing once the last saved
+                 tensor is back, before the MLP's all-reduce; the paper's "12 x seq x hidden" of
+                 Sec 8 counts a full recomputation, 2 all-reduces, each of n moving 2n)
     pa_comm      Pa's all-gather of each checkpoint (1 x seq x hidden per block, Sec 8)
     host         Pa+cpu: each checkpoint slice to the host and back (2x Pa's bytes, Sec 8)
     dp_comm      the engine's own collectives per step (elements and calls by kind, counted at
@@ -220,9 +222,9 @@ class Prediction:
     def phases(self) -> dict[str, float]:
         """The terms grouped as a profile of the engine's phases shows them."""
         t = self.terms
-        return {"forward": t["forward"] + t["head_forward"] + t["mp_comm"] / 3 + t["pa_comm"] / 2 + t["host"] / 2
+        return {"forward": t["forward"] + t["head_forward"] + t["mp_forward"] + t["pa_comm"] / 2 + t["host"] / 2
                 + t["dp_forward"],
-                "backward": t["backward"] + t["head_backward"] + 2 * t["mp_comm"] / 3 + t["pa_comm"] / 2
+                "backward": t["backward"] + t["head_backward"] + t["mp_backward"] + t["pa_comm"] / 2
                 + t["host"] / 2 + t["dp_backward"],
                 "step": t["optimizer"] + t["dp_step"]}
 
@@ -239,9 +241,13 @@ def predict(spec: StepSpec, cluster: Cluster) -> Prediction:
     per_block = tokens * spec.hidden          # one activation of the block boundary
     recompute = spec.checkpoints != "none"
     mp_link = cluster.link(nm, min(nm, cluster.ranks_per_node), "all_reduce")
-    mp_calls = spec.layers * (5 if recompute else 4) + 2
-    mp_moved = 2 * mp_calls * per_block
-    terms["mp_comm"] = collective_seconds("all_reduce", mp_moved, spec.elem_bytes, nm, mp_link, mp_calls)
+    forward_calls, backward_calls = 2 * spec.layers + 1, (3 if recompute else 2) * spec.layers + 1
+    loss_moved = 2 * tokens + 2 * 2 * tokens     # the loss's max, then (sum of exponentials, target logit)
+    terms["mp_forward"] = (collective_seconds("all_reduce", 2 * forward_calls * per_block, spec.elem_bytes, nm,
+                                              mp_link, forward_calls)
+                           + collective_seconds("all_reduce", loss_moved, 4, nm, mp_link, 2))
+    terms["mp_backward"] = collective_seconds("all_reduce", 2 * backward_calls * per_block, spec.elem_bytes, nm,
+                                              mp_link, backward_calls)
     pa = spec.checkpoints in ("pa", "pa_cpu") and nm > 1
     terms["pa_comm"] = collective_seconds("all_gather", spec.layers * per_block, spec.elem_bytes, nm,
                                           cluster.link(nm, min(nm, cluster.ranks_per_node), "all_gather"),
