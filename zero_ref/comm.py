@@ -27,7 +27,8 @@ current stream wait: the host never blocks, and the NCCL groups the engine creat
 after which NCCL's watchdog aborts a collective that a peer never joined.
 
 Profiler labels (torch.autograd.profiler.record_function, made only while a profiler records; see
-`label`): "zero_ref.wait <kind> #<n>" wherever the host waits for collective number n of this Comm,
+`label`): "zero_ref.wait <kind> #<n>" wherever the host waits for collective number n of this Comm
+("zero_ref.wait <kind> settle" where it waits a bounded while for one to finish, `Pending.settle`),
 and "zero_ref::issue <kind> #<n> <elements> <bytes>" around the call that starts it, so a trace
 pairs every issue with its wait. The stages add "zero_ref::<event>" labels around the events of
 one step (a unit's gather and free, a bucket's reduction, a regather after the update); the
@@ -186,9 +187,11 @@ class Pending:
 
     def settle(self, seconds: float) -> bool:
         """Wait at most `seconds` for the collective (watched: see `watch`); True once it has finished.
-        Never raises: a failure is reported by `wait`."""
+        Never raises: a failure is reported by `wait`. Labelled "zero_ref.wait <kind> settle" (no
+        number: the collective's own wait comes later), so a profile counts this time as waiting."""
         if self._watcher is not None:
-            self._watcher.join(seconds)
+            with label("zero_ref.wait", self.what.split()[0], "settle"):
+                self._watcher.join(seconds)
         return self.done()
 
     def done(self) -> bool:
