@@ -126,6 +126,18 @@ class Link:
 
 HOPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
 
+MP_LOSS_CALLS = 2
+"""All-reduces of the vocabulary-parallel loss per forward (the max, then the sum of exponentials
+with the target logit): a few values per token each."""
+
+
+def mp_all_reduce_calls(layers: int, recompute: bool) -> tuple[int, int]:
+    """Megatron's all-reduces of batch x seq x hidden values per step, (forward, backward): 2 per
+    block each way, the embedding's in forward and the head's in backward, and with checkpointing 1
+    per block in recomputation (see the module docstring)."""
+    return 2 * layers + 1, (3 if recompute else 2) * layers + 1
+
+
 STEP_STATS_CALLS = 1
 """All-reduces of the step's statistics (gradient norm, overflow flag, agreement checks: a few
 numbers, engine.step) per step, over the data-parallel group and, with MP, the MP group: one of the
@@ -241,11 +253,11 @@ def predict(spec: StepSpec, cluster: Cluster) -> Prediction:
     per_block = tokens * spec.hidden          # one activation of the block boundary
     recompute = spec.checkpoints != "none"
     mp_link = cluster.link(nm, min(nm, cluster.ranks_per_node), "all_reduce")
-    forward_calls, backward_calls = 2 * spec.layers + 1, (3 if recompute else 2) * spec.layers + 1
+    forward_calls, backward_calls = mp_all_reduce_calls(spec.layers, recompute)
     loss_moved = 2 * tokens + 2 * 2 * tokens     # the loss's max, then (sum of exponentials, target logit)
     terms["mp_forward"] = (collective_seconds("all_reduce", 2 * forward_calls * per_block, spec.elem_bytes, nm,
                                               mp_link, forward_calls)
-                           + collective_seconds("all_reduce", loss_moved, 4, nm, mp_link, 2))
+                           + collective_seconds("all_reduce", loss_moved, 4, nm, mp_link, MP_LOSS_CALLS))
     terms["mp_backward"] = collective_seconds("all_reduce", 2 * backward_calls * per_block, spec.elem_bytes, nm,
                                               mp_link, backward_calls)
     pa = spec.checkpoints in ("pa", "pa_cpu") and nm > 1
