@@ -10,6 +10,8 @@ AdamW rate and the collectives' latency and bandwidth. Nothing here is fitted to
 * all three with one thread per rank (as the timed runs) and, for each world size p, p ranks
   measuring at once: ranks that share the machine's cores, caches and memory bandwidth slow each
   other down, and that is part of what a rank of a p-rank run computes at;
+* **stage 3's own work** (``stage3_own``): stage 3 minus stage 0 on one rank, forward and
+  backward, per element of a gather pass (its hooks, buffers and bookkeeping beside the collectives);
 * **links**: at each world size p, all-reduce, reduce-scatter and all-gather of 16K..4M fp32
   elements through the engine's own ``Comm`` over gloo, ``BURST`` calls in flight at once as the
   engine issues them, timed (median of the slowest rank), and
@@ -127,13 +129,92 @@ def step_rate(group, width: int = 1024, reps: int = 9, sync=lambda: None, device
     return params / statistics.median(times[2:])
 
 
-def _rates_at_world(rank: int, world: int, vocab: int, reps: int) -> tuple[dict, float]:
+OWN_SHAPE = {"layers": 4, "hidden": 384, "heads": 6, "batch": 1}
+"""The GPT measured for stage 3's own work: a calibration point (hidden 384), not a timed model."""
+
+
+def stage3_own(group, vocab: int, seq: int = SEQ, shape: dict = OWN_SHAPE, reps: int = 9, sync=lambda: None,
+               device: torch.device | None = None, dtype: str = "fp32") -> tuple[float, float, float]:
+    """Stage 3's own work beside its collectives, in seconds per element of one gather pass:
+    (forward, backward, copy). Forward and backward: what the engine does that stage 0 does not,
+    on the same model at the same moment: the hooks that gather and free each unit, reallocating
+    its full buffer, its gradients sorted into buckets, the bookkeeping of the schedule, and the
+    collectives, which over one rank are local copies (comm.Comm): the gather's (1 per pass) and
+    the reduce-scatter's (backward). ``copy``: those copies' own time, one pass of elements. A real
+    ring writes those elements itself, and the fitted links hold that: ``cpu_cluster`` takes the
+    copies off again where there are links (1 in forward, 2 in backward).
+
+    Measured over ``group`` (here: this rank alone, while the other ranks of a calibration do the
+    same, so the cores are shared as in a run): a stage-0 and a stage-3 engine of the same GPT
+    (``shape``), steps interleaved, the median over ``reps`` of stage 3's forward (and backward)
+    minus stage 0's."""
+    import zero_ref
+    from experiments.bench_kernels import synchronizer
+    from zero_ref.activations import checkpoint_blocks
+    from zero_ref.models import ParallelGPT
+
+    done = synchronizer(device)
+    engines = {}
+    for stage in (0, 3):
+        with torch.device("meta"):
+            model = ParallelGPT(shape["layers"], shape["hidden"], shape["heads"], vocab, seq, seed=0)
+        checkpoint_blocks(model.blocks, "plain", None)
+        config = zero_ref.ZeroConfig(stage=stage, dtype=dtype, bucket_numel=12 * shape["hidden"] ** 2)
+        engines[stage] = zero_ref.initialize(model, config, group, device=device)
+    elements = sum(p.numel() for p in model.parameters())
+    tokens = torch.randint(0, vocab, (shape["batch"], seq), device=device)
+    extra = []
+    for rep in range(reps + 1):
+        phases = {}
+        for stage, engine in engines.items():
+            sync()
+            done()
+            start = time.perf_counter()
+            loss = engine(tokens)
+            done()
+            middle = time.perf_counter()
+            engine.backward(loss)
+            done()
+            phases[stage] = (middle - start, time.perf_counter() - middle)
+            engine.step()
+        if rep:                       # the first pair warms up
+            extra.append([three - zero for three, zero in zip(phases[3], phases[0])])
+    for engine in engines.values():
+        engine.close()
+    forward, backward = (max(statistics.median(e[i] for e in extra), 0.0) for i in (0, 1))
+    copy = _copy_seconds(elements, 12 * shape["hidden"] ** 2, reps, sync, device, dtype)
+    return forward / elements, backward / elements, copy / elements
+
+
+def _copy_seconds(elements: int, piece: int, reps: int, sync, device, dtype: str) -> float:
+    """Median seconds to copy ``elements`` elements in pieces of ``piece`` into buffers written before."""
+    from experiments.bench_kernels import synchronizer
+
+    done = synchronizer(device)
+    kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    sizes = [min(piece, elements - start) for start in range(0, elements, piece)]
+    sources = [torch.randn(n, device=device).to(kind) for n in sizes]
+    targets = [torch.zeros_like(source) for source in sources]
+    times = []
+    for _ in range(reps):
+        sync()
+        done()
+        start = time.perf_counter()
+        for target, source in zip(targets, sources):
+            target.copy_(source)
+        done()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _rates_at_world(rank: int, world: int, vocab: int, reps: int) -> tuple[dict, float, tuple]:
     """Every rank of ``world`` measures the same rates at the same time (one thread each, a barrier
     before each measurement), so the rates include what ranks sharing this machine cost each other."""
     torch.set_num_threads(1)
     alone = [dist.new_group([r]) for r in range(world)]       # every rank calls new_group for every group
     rates = compute_rates(vocab, reps=reps, sync=dist.barrier)
-    return rates, step_rate(alone[rank], sync=dist.barrier)
+    step = step_rate(alone[rank], sync=dist.barrier)
+    return rates, step, stage3_own(alone[rank], vocab, reps=2 * reps, sync=dist.barrier)
 
 
 BURST = 4
@@ -199,17 +280,19 @@ def measure_links(worlds=(2, 3, 4), sizes=LINK_SIZES, reps: int = 5) -> tuple[di
     return links, rows
 
 
-def _mean_over_ranks(per_rank: list[tuple[dict, float]]) -> tuple[dict, float]:
+def _mean_over_ranks(per_rank: list[tuple]) -> tuple:
     """One rank's rates at a world size: each rate's harmonic mean over the ranks that measured it
-    at once (work over the mean time), as the timed runs' phases are each rank's mean. Ranks that
-    share cores are not served alike: one may finish a short measurement before the scheduler
-    lets another in, so a single rank's numbers would say little about a typical one."""
+    at once (work over the mean time), as the timed runs' phases are each rank's mean; stage 3's
+    own seconds per element, their mean. Ranks that share cores are not served alike: one may
+    finish a short measurement before the scheduler lets another in, so a single rank's numbers
+    would say little about a typical one."""
     def harmonic(values):
         return len(values) / sum(1.0 / v for v in values)
 
-    rates = {name: {point: harmonic([r[name][point] for r, _ in per_rank]) for point in points}
+    rates = {name: {point: harmonic([r[0][name][point] for r in per_rank]) for point in points}
              for name, points in per_rank[0][0].items()}
-    return rates, harmonic([step for _, step in per_rank])
+    own = tuple(statistics.mean(r[2][i] for r in per_rank) for i in range(3))
+    return rates, harmonic([r[1] for r in per_rank]), own
 
 
 def calibrate(vocab: int, quick: bool = False, worlds=(1, 2, 3, 4)) -> dict:
@@ -222,8 +305,9 @@ def calibrate(vocab: int, quick: bool = False, worlds=(1, 2, 3, 4)) -> dict:
     measured = {w: _mean_over_ranks(spawn(_rates_at_world, w, vocab, 3 if quick else 5, timeout=900)) for w in worlds}
     links, link_rows = measure_links([w for w in worlds if w > 1], reps=3 if quick else 5)
     return {"cores": len(os.sched_getaffinity(0)), "worlds": list(worlds),
-            "rates": {w: rates for w, (rates, _) in measured.items()},
-            "adamw": {w: step for w, (_, step) in measured.items()}, "links": links, "link_rows": link_rows,
+            "rates": {w: rates for w, (rates, _, _) in measured.items()},
+            "adamw": {w: step for w, (_, step, _) in measured.items()},
+            "stage3_own": {w: own for w, (_, _, own) in measured.items()}, "links": links, "link_rows": link_rows,
             "vocab": vocab, "seconds": time.perf_counter() - start}
 
 
@@ -239,8 +323,10 @@ def average(before: dict, after: dict) -> dict:
     rows = before["link_rows"] + after["link_rows"]
     links = {(w, kind): fit_link([r for r in rows if r["world"] == w and r["kind"] == kind])
              for w, kind in before["links"]}
+    own = {w: tuple((a + b) / 2 for a, b in zip(v, after["stage3_own"][w]))
+           for w, v in before.get("stage3_own", {}).items()}
     return {**before, "rates": rates, "adamw": {w: mean(v, after["adamw"][w]) for w, v in before["adamw"].items()},
-            "links": links, "link_rows": rows, "seconds": before["seconds"] + after["seconds"],
+            "stage3_own": own, "links": links, "link_rows": rows, "seconds": before["seconds"] + after["seconds"],
             "drift": {w: drift(before, after, w) for w in before["worlds"]}}
 
 
@@ -262,7 +348,8 @@ def merge(earlier: dict, later: dict) -> dict:
     links = {key: link for key, link in earlier["links"].items() if key[0] not in later["worlds"]} | later["links"]
     rows = [row for row in earlier["link_rows"] if row["world"] not in later["worlds"]] + later["link_rows"]
     return {**earlier, "worlds": worlds, "rates": earlier["rates"] | later["rates"],
-            "adamw": earlier["adamw"] | later["adamw"], "links": links, "link_rows": rows,
+            "adamw": earlier["adamw"] | later["adamw"],
+            "stage3_own": earlier.get("stage3_own", {}) | later.get("stage3_own", {}), "links": links, "link_rows": rows,
             "seconds": earlier["seconds"] + later["seconds"],
             "drift": earlier.get("drift", {}) | later.get("drift", {})}
 
@@ -273,11 +360,21 @@ def cpu_cluster(cal: dict, world: int, alone: bool = False, smooth: bool = True)
     had the machine to itself), smoothed over the grid (``Rate.fitted``: a single point measured
     while ranks share two cores is off by 10-15%; ``smooth=False`` keeps the measured points, as for
     one rank on an idle GPU, whose rates are not noisy and follow no smooth surface), collectives at
-    the links fitted at ``world``."""
+    the links fitted at ``world``, stage 3's own work as measured at the same ranks (``_stage3_own``)."""
     by_kind = {kind: link for (w, kind), link in cal["links"].items() if w == world}
     link = by_kind.get("all_reduce", pm.Link(float("inf"), 0.0))
     at = 1 if alone else world
     rate = pm.Rate.fitted if smooth else pm.Rate
     rates = {name: rate(points) for name, points in cal["rates"][at].items()}
     return pm.Cluster(f"this machine, {world} one-thread rank(s)", rates, cal["adamw"][at], world, link,
-                      link.bandwidth, link.latency, pm.Link(float("inf"), 0.0), intra_by_kind=by_kind)
+                      link.bandwidth, link.latency, pm.Link(float("inf"), 0.0), intra_by_kind=by_kind,
+                      stage3_own=_stage3_own(cal, at, collectives_local=world == 1))
+
+
+def _stage3_own(cal: dict, at: int, collectives_local: bool) -> tuple[float, float]:
+    """Stage 3's own seconds per element of a pass (forward, backward) as measured at ``at`` ranks
+    (``stage3_own``); where the collectives are not local, less the copies the links already hold."""
+    forward, backward, copy = cal.get("stage3_own", {}).get(at, (0.0, 0.0, 0.0))
+    if collectives_local:
+        return forward, backward
+    return max(forward - copy, 0.0), max(backward - 2 * copy, 0.0)

@@ -5,7 +5,8 @@ Two parts, both run by ``experiments/gpu_check.sh``:
 * ``measure`` (one rank under ``torchrun``, NCCL): ``calibrate.compute_rates`` in bf16 on the
   device, over a (tokens, hidden) grid at the timed run's sequence length and vocabulary, and
   ``calibrate.step_rate``, the engine's whole bf16 optimizer step (norm, fused AdamW, clearing
-  gradients) per element, at two sizes, and ``block_issue_times`` -> ``<out>/calibration.json``.
+  gradients) per element, at two sizes, ``block_issue_times`` and ``calibrate.stage3_own`` (stage 3
+  minus stage 0 on a 4 x 1024 GPT, bf16) -> ``<out>/calibration.json``.
   The same rates as the CPU calibration, so ``throughput_study.predicted`` reads either.
 * ``compare`` (anywhere, also here after the run came back): for each row of
   ``<out>/throughput/throughput.csv``, the model's phases (forward, backward, optimizer step) and
@@ -32,6 +33,8 @@ sys.path.insert(0, str(ROOT))
 GRID_TOKENS = (1024, 2048, 4096, 8192, 16384)
 GRID_HIDDEN = (1024, 2048, 4096)
 SEQ, VOCAB = 1024, 50257            # the timed run's shape (gpu_check.sh: GPT-2 24 x 1024)
+OWN_SHAPE = {"layers": 4, "hidden": 1024, "heads": 16, "batch": 1}
+"""The GPT on which stage 3's own work (calibrate.stage3_own: stage 3 minus stage 0) is measured."""
 
 
 def measure(out: Path, reps: int) -> dict:
@@ -52,11 +55,12 @@ def measure(out: Path, reps: int) -> dict:
                       for width in (1024, 4096)}
     adamw = adamw_by_width[4096]
     issue = {tokens: block_issue_times(device, reps, tokens) for tokens in (2048, 8192)}
+    own = calibrate.stage3_own(None, VOCAB, SEQ, OWN_SHAPE, reps, device=device, dtype="bf16")
     cal = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "dtype": "bf16",
            "seq": SEQ, "vocab": VOCAB, "worlds": [1],
            "rates": {"1": {name: {f"{t},{h}": rate for (t, h), rate in points.items()}
                            for name, points in rates.items()}},
-           "adamw": {"1": adamw}, "adamw_by_width": adamw_by_width,
+           "adamw": {"1": adamw}, "adamw_by_width": adamw_by_width, "stage3_own": {"1": own},
            "block_issue": {str(tokens): times for tokens, times in issue.items()},
            "seconds": time.perf_counter() - start}
     dist.destroy_process_group()
@@ -68,6 +72,8 @@ def measure(out: Path, reps: int) -> dict:
               f"{min(points.values()) / 1e12:.0f} at worst")
     for width, rate in adamw_by_width.items():
         print(f"optimizer step, 4 x {width} x {width}: {rate / 1e9:.2f} G elements/s (bf16 engine, fp32 master)")
+    print(f"stage 3's own work, {OWN_SHAPE}: forward {own[0] * 1e9:.3f}, backward {own[1] * 1e9:.3f} ns per "
+          "element of a gather pass")
     _print_issue(cal["block_issue"])
     return cal
 
@@ -122,7 +128,8 @@ def load_calibration(path: Path) -> dict:
     raw = json.loads(path.read_text())
     rates = {int(w): {name: {tuple(int(v) for v in key.split(",")): rate for key, rate in points.items()}
                       for name, points in by_name.items()} for w, by_name in raw["rates"].items()}
-    return {**raw, "rates": rates, "adamw": {int(w): r for w, r in raw["adamw"].items()}, "links": {}}
+    return {**raw, "rates": rates, "adamw": {int(w): r for w, r in raw["adamw"].items()}, "links": {},
+            "stage3_own": {int(w): tuple(v) for w, v in raw.get("stage3_own", {}).items()}}
 
 
 def _shape(run) -> tuple:

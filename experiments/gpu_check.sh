@@ -91,9 +91,10 @@ throughput_run() {
 
 # The performance model on this device (experiments/gpu_calibrate.py): bf16 block and head rates
 # over a (tokens, hidden) grid, the engine's optimizer step rate, the host's time to issue a block,
+# stage 3's own work beside its collectives (stage 3 minus stage 0 on a 4 x 1024 GPT),
 # then the model's phases against the timed runs: results/gpu/calibration.json, model_vs_measured.csv.
 calibration() {
-    timeout 50 torchrun --standalone --nproc_per_node 1 experiments/gpu_calibrate.py measure --out results/gpu \
+    timeout 65 torchrun --standalone --nproc_per_node 1 experiments/gpu_calibrate.py measure --out results/gpu \
         2>&1 | tee results/gpu/calibration.log
 }
 model_check() {
@@ -135,7 +136,7 @@ for run in "2 8" "2 2" "2 1" "3 8" "3 1"; do
     read -r stage batch <<< "$run"
     step "throughput run, stage $stage, batch $batch (torchrun, NCCL, world 1)" 40 throughput_run "$stage" "$batch"
 done
-step "calibration (compute and optimizer rates, bf16)" 50 calibration
+step "calibration (compute and optimizer rates, stage 3's own work, bf16)" 65 calibration
 step "performance model against the timed runs" 20 model_check
 step "largest batch in 10 GB, then held to 10 GB (torchrun, NCCL, world 1)" 90 budget_run
 step "kernel benchmark" 80 kernel_bench

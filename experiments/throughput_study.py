@@ -153,6 +153,8 @@ def calibration_frames(cal: dict) -> tuple[pd.DataFrame, pd.DataFrame]:
     rates = [{"world": w, "tokens": tok, "hidden": h} | {f"{name}_gflops": points[(tok, h)] / 1e9
                                                          for name, points in by_name.items()}
              | {"step_melem_per_s": cal["adamw"][w] / 1e6}
+             | dict(zip(("stage3_own_forward_ns", "stage3_own_backward_ns", "stage3_copy_ns"),
+                        (1e9 * v for v in cal.get("stage3_own", {}).get(w, (float("nan"),) * 3))))
              for w, by_name in cal["rates"].items() for tok, h in by_name["block_forward"]]
     links = pd.DataFrame(cal["link_rows"])
     links["fitted_s"] = [pm.collective_seconds(r.kind, r.moved, 4, r.world, cal["links"][(r.world, r.kind)])

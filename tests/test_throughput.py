@@ -4,10 +4,12 @@ what is exact is: FLOP counts, elements moved, calls, bytes, and the model's ari
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
+import torch
 
 from experiments import calibrate, paper_projection
 from experiments import throughput as tp
@@ -226,6 +228,44 @@ def test_cpu_cluster_from_a_calibration():
     assert p_alone.terms["forward"] == pytest.approx(p.terms["forward"] / 2)
 
 
+def test_stage3_own_work_is_a_term_of_stage3_per_element_of_a_gather_pass():
+    """Stage 3's own seconds per element apply to the elements of one gather pass (half the step's
+    all-gathers), in forward and in backward, at stage 3 only; over several ranks the local copies
+    measured with them are taken off (the links hold those), over one rank they stay."""
+    rates = {name: {(128, 64): 1e9} for name in ("block_forward", "block_backward", "head_forward", "head_backward")}
+    cal = {"rates": {1: rates, 2: rates}, "adamw": {1: 1e8, 2: 1e8}, "links": {(2, "all_gather"): pm.Link(1e9, 0.0)},
+           "stage3_own": {1: (3e-9, 5e-9, 1e-9), 2: (4e-9, 6e-9, 1e-9)}}
+    assert calibrate.cpu_cluster(cal, 1).stage3_own == (3e-9, 5e-9)
+    cluster = calibrate.cpu_cluster(cal, 2)
+    assert cluster.stage3_own == pytest.approx((3e-9, 4e-9))                     # 1 copy forward, 2 backward
+    moved = {"all_gather": 2e6, "reduce_scatter": 1e6}
+    for stage, expected in ((3, (3e-3, 4e-3)), (2, (0.0, 0.0))):
+        spec = pm.StepSpec(1, 64, 128, 256, 1, 2, 1, stage, "none", 4, moved, {}, 1e6)
+        p, bare = pm.predict(spec, cluster), pm.predict(spec, dataclasses.replace(cluster, stage3_own=(0.0, 0.0)))
+        assert (p.terms["stage3_forward"], p.terms["stage3_backward"]) == pytest.approx(expected)
+        assert p.phases()["forward"] - bare.phases()["forward"] == pytest.approx(expected[0])
+        assert p.phases()["backward"] - bare.phases()["backward"] == pytest.approx(expected[1])
+    assert calibrate.cpu_cluster({**cal, "stage3_own": {}}, 2).stage3_own == (0.0, 0.0)   # not measured: none
+
+
+def _stage3_own_of_a_small_gpt(rank, world):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    return calibrate.stage3_own(None, 64, seq=8, shape={"layers": 6, "hidden": 64, "heads": 2, "batch": 1},
+                                reps=5, sync=dist.barrier)
+
+
+def test_stage3_own_work_is_measured_on_the_engine():
+    """Over one rank, a small GPT whose blocks compute little: stage 3's hooks and buffers cost more
+    than stage 0's plain step, in forward and in backward; the copies are timed beside them."""
+    from zero_ref.launch import spawn
+
+    forward, backward, copy = spawn(_stage3_own_of_a_small_gpt, 1)[0]
+    assert forward > 0 and backward > 0 and copy > 0
+    assert forward < 1e-6 and backward < 1e-6           # per element: far below a microsecond
+
+
 def test_a_step_is_its_slowest_rank_and_a_phase_the_ranks_mean():
     """Two ranks that take turns being slow: the step's wall time is the slowest rank's sum of
     phases, never the sum of each phase's slowest rank (0.3 + 0.3 here, which no rank took)."""
@@ -238,15 +278,20 @@ def test_a_step_is_its_slowest_rank_and_a_phase_the_ranks_mean():
 
 def test_calibrations_average_ranks_and_merge_by_world_size():
     one = {"block_forward": {(128, 64): 2e9}}
-    rates, step = calibrate._mean_over_ranks([(one, 1e8), ({"block_forward": {(128, 64): 1e9}}, 2e8)])
+    rates, step, own = calibrate._mean_over_ranks([(one, 1e8, (1e-9, 2e-9, 0.0)),
+                                                   ({"block_forward": {(128, 64): 1e9}}, 2e8, (3e-9, 4e-9, 1e-9))])
     assert rates["block_forward"][(128, 64)] == pytest.approx(2 / (1 / 2e9 + 1 / 1e9))    # work over mean time
     assert step == pytest.approx(2 / (1 / 1e8 + 1 / 2e8))
+    assert own == pytest.approx((2e-9, 3e-9, 0.5e-9))                                  # seconds: their mean
     first = {"worlds": [1, 2], "rates": {1: one, 2: one}, "adamw": {1: 1.0, 2: 2.0},
+             "stage3_own": {1: (1.0, 1.0, 0.0), 2: (2.0, 2.0, 0.0)},
              "links": {(2, "all_reduce"): pm.Link(1.0, 0.0)}, "link_rows": [{"world": 2}], "seconds": 1.0}
-    again = {"worlds": [2], "rates": {2: rates}, "adamw": {2: 3.0}, "links": {(2, "all_gather"): pm.Link(2.0, 0.0)},
-             "link_rows": [{"world": 2, "again": True}], "seconds": 2.0}
+    again = {"worlds": [2], "rates": {2: rates}, "adamw": {2: 3.0}, "stage3_own": {2: own},
+             "links": {(2, "all_gather"): pm.Link(2.0, 0.0)}, "link_rows": [{"world": 2, "again": True}],
+             "seconds": 2.0}
     merged = calibrate.merge(first, again)
     assert merged["worlds"] == [1, 2] and merged["rates"] == {1: one, 2: rates} and merged["adamw"] == {1: 1.0, 2: 3.0}
+    assert merged["stage3_own"] == {1: (1.0, 1.0, 0.0), 2: own}
     assert merged["links"] == {(2, "all_gather"): pm.Link(2.0, 0.0)} and merged["link_rows"] == [{"world": 2, "again": True}]
     assert merged["seconds"] == 3.0 and calibrate.merge({}, again) is again
 
@@ -259,11 +304,13 @@ def test_calibrations_before_and_after_runs_average_and_say_how_far_they_drifted
     def cal(scale, bandwidth):
         rates = {"block_forward": {(128, 64): 4e9 * scale, (256, 64): 8e9 * scale}}
         return {"worlds": [2], "rates": {2: rates}, "adamw": {2: 1e8 * scale}, "seconds": 1.0,
+                "stage3_own": {2: (1e-9 * scale, 2e-9, 0.0)},
                 "links": {(2, "all_gather"): None}, "link_rows": timings(bandwidth, 1e-4)}
 
     both = calibrate.average(cal(1.0, 1e9), cal(1.21, 1e9))
     assert both["rates"][2]["block_forward"][(128, 64)] == pytest.approx(4e9 * 1.1)     # geometric mean
     assert both["adamw"][2] == pytest.approx(1.1e8) and both["seconds"] == 2.0
+    assert both["stage3_own"][2] == pytest.approx((1.105e-9, 2e-9, 0.0))              # seconds: arithmetic mean
     assert both["drift"] == {2: pytest.approx(0.21)}
     link = both["links"][(2, "all_gather")]                 # fitted to both sets of timings
     assert link.bandwidth == pytest.approx(1e9) and link.latency == pytest.approx(1e-4)

@@ -19,6 +19,9 @@ A rank's step time is the sum of terms, each of which can be measured on its own
                  scale by ``dp_traffic``), not hidden behind compute (``dp_overlap`` of them is);
                  one all-reduce is the step's statistics, a few numbers: its latency, in the step
     optimizer    this rank's AdamW segment, elements / elements per second
+    stage3_*     stage 3's own work beside its collectives (gathering and freeing each unit's full
+                 buffer, its hooks and gradient buckets), seconds per element of a gather pass, in
+                 forward and in backward: measured as stage 3 minus stage 0 on one rank
 
 A collective over p ranks on a ring (what NCCL and gloo run) costs ``(p-1)/p * moved * bytes /
 bandwidth + hops * latency`` with ``moved`` counted as the paper counts (all-reduce of n: 2n,
@@ -163,7 +166,9 @@ class Cluster:
     ``ranks_per_node``; ``intra``: the link inside a node; ``node_bandwidth`` / ``node_latency``:
     a node's network (bytes/s each direction, all its NICs) and hop latency; ``host``: the
     device-host link (Pa+cpu);
-    ``dp_overlap``: the share of the data-parallel collectives hidden behind compute."""
+    ``dp_overlap``: the share of the data-parallel collectives hidden behind compute;
+    ``stage3_own``: stage 3's own seconds per element of a gather pass, (forward, backward), beside
+    its collectives (0 where not measured)."""
 
     name: str
     rates: dict
@@ -175,6 +180,7 @@ class Cluster:
     host: Link
     dp_overlap: float = 0.0
     intra_by_kind: dict = field(default_factory=dict)
+    stage3_own: tuple = (0.0, 0.0)
     sources: dict = field(default_factory=dict, compare=False)
 
     def link(self, group_size: int, members_per_node: int, kind: str | None = None) -> Link:
@@ -235,9 +241,9 @@ class Prediction:
         """The terms grouped as a profile of the engine's phases shows them."""
         t = self.terms
         return {"forward": t["forward"] + t["head_forward"] + t["mp_forward"] + t["pa_comm"] / 2 + t["host"] / 2
-                + t["dp_forward"],
+                + t["dp_forward"] + t["stage3_forward"],
                 "backward": t["backward"] + t["head_backward"] + t["mp_backward"] + t["pa_comm"] / 2
-                + t["host"] / 2 + t["dp_backward"],
+                + t["host"] / 2 + t["dp_backward"] + t["stage3_backward"],
                 "step": t["optimizer"] + t["dp_step"]}
 
 
@@ -288,6 +294,8 @@ def predict(spec: StepSpec, cluster: Cluster) -> Prediction:
     else:                         # reductions in backward, the regather after the update (stages 1-2)
         terms.update(dp_forward=0.0, dp_backward=exposed * reductions, dp_step=gathers + stats)
     terms["optimizer"] = spec.optimizer_elements / cluster.adamw_rate
+    per_pass = spec.dp_moved.get("all_gather", 0.0) / 2 if spec.stage == 3 else 0.0
+    terms["stage3_forward"], terms["stage3_backward"] = (per_element * per_pass for per_element in cluster.stage3_own)
     return Prediction(terms, sum(terms.values()), f["total"] / nm)
 
 
