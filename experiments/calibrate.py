@@ -14,7 +14,8 @@ AdamW rate and the collectives' latency and bandwidth. Nothing here is fitted to
   backward, per element of a gather pass (its hooks, buffers and bookkeeping beside the collectives);
 * **links**: at each world size p, all-reduce, reduce-scatter and all-gather of 16K..4M fp32
   elements through the engine's own ``Comm`` over gloo, ``BURST`` calls in flight at once as the
-  engine issues them, timed (median of the slowest rank), and
+  engine issues them, and the model-parallel layers' all-reduce and all-gather one blocking call
+  at a time as they issue them (``blocking_*``), timed (median of the slowest rank), and
   per kind one ring ``Link(bandwidth, latency)`` fitted by least squares to
   t = (p-1)/p·moved·4/bandwidth + hops·(p-1)·latency.
 
@@ -223,12 +224,15 @@ and regathers (several in flight; the time per call is the burst's over BURST)."
 
 
 def _time_collectives(rank: int, world: int, sizes, reps: int) -> list[dict]:
-    """Each collective the engine issues, timed through the engine's own ``Comm`` (zero_ref.comm)
-    as the engine issues it, ``BURST`` calls in flight before the first wait: what a step runs, not
-    a single blocking call of the backend's (on gloo the engine's reduce-scatter is an all-to-all
-    and a local sum, 1.2-2x faster than gloo's own; a burst pays the per-call latency less than
-    back-to-back blocking calls; both measured at 2-4 ranks)."""
-    from zero_ref.comm import Comm, CommLedger
+    """Each collective timed as it is issued in a step. The engine's own, through its ``Comm``
+    (zero_ref.comm), ``BURST`` calls in flight before the first wait: what a step runs, not a single
+    blocking call of the backend's (on gloo the engine's reduce-scatter is an all-to-all and a local
+    sum, 1.2-2x faster than gloo's own; a burst pays the per-call latency less than back-to-back
+    blocking calls; both measured at 2-4 ranks). The model-parallel layers' all-reduces and gathers
+    (``blocking_*``), through torch.distributed, each waited for at once, as tensor_parallel and
+    activations issue them. Small messages are timed more often (their times are the noisiest:
+    scheduling decides them when ranks share cores)."""
+    from zero_ref.comm import Comm, CommLedger, all_gather_tensor
 
     torch.set_num_threads(1)          # as the timed runs' ranks
     comm = Comm(None, CommLedger(), torch.device("cpu"))
@@ -237,17 +241,20 @@ def _time_collectives(rank: int, world: int, sizes, reps: int) -> list[dict]:
         numel -= numel % world
         fulls = [torch.randn(numel) for _ in range(BURST)]
         shards = [torch.randn(numel // world) for _ in range(BURST)]
-        ops = {"all_reduce": (lambda i: comm.all_reduce(fulls[i], async_op=True), 2 * numel),
-               "reduce_scatter": (lambda i: comm.reduce_scatter(shards[i], fulls[i], async_op=True), numel),
-               "all_gather": (lambda i: comm.all_gather(fulls[i], shards[i], async_op=True), numel)}
-        for kind, (issue, moved) in ops.items():
+        ops = {"all_reduce": (lambda i: comm.all_reduce(fulls[i], async_op=True), 2 * numel, BURST),
+               "reduce_scatter": (lambda i: comm.reduce_scatter(shards[i], fulls[i], async_op=True), numel, BURST),
+               "all_gather": (lambda i: comm.all_gather(fulls[i], shards[i], async_op=True), numel, BURST),
+               "blocking_all_reduce": (lambda i: dist.all_reduce(fulls[i]), 2 * numel, 1),
+               "blocking_all_gather": (lambda i: all_gather_tensor(fulls[i], shards[i]), numel, 1)}
+        for kind, (issue, moved, in_flight) in ops.items():
             times = []
-            for rep in range(reps + 1):
+            for rep in range(reps * max(1, max(sizes) // numel // 16) + 1):
                 dist.barrier()
                 start = time.perf_counter()
-                for pending in [issue(i) for i in range(BURST)]:
-                    pending.wait()
-                elapsed = torch.tensor([(time.perf_counter() - start) / BURST])
+                for pending in [issue(i) for i in range(in_flight)]:
+                    if pending is not None:
+                        pending.wait()
+                elapsed = torch.tensor([(time.perf_counter() - start) / in_flight])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 if rep:
                     times.append(elapsed.item())
@@ -275,7 +282,7 @@ def measure_links(worlds=(2, 3, 4), sizes=LINK_SIZES, reps: int = 5) -> tuple[di
     for world in worlds:
         measured = spawn(_time_collectives, world, sizes, reps, timeout=600)[0]
         rows += measured
-        for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+        for kind in dict.fromkeys(r["kind"] for r in measured):
             links[(world, kind)] = fit_link([r for r in measured if r["kind"] == kind])
     return links, rows
 

@@ -256,6 +256,27 @@ def _stage3_own_of_a_small_gpt(rank, world):
                                 reps=5, sync=dist.barrier)
 
 
+def test_collectives_waited_for_at_once_run_on_their_own_link():
+    """Megatron's all-reduces, Pa's gathers and the step's statistics are blocking calls: the model
+    costs them at the ``blocking_*`` links where a machine has them, the engine's bucket collectives
+    (several in flight) at their own; a machine with one link (the paper's) uses it for all."""
+    rates = {name: pm.Rate.constant(1e12) for name in ("block_forward", "block_backward", "head_forward",
+                                                         "head_backward")}
+    fast, slow = pm.Link(1e9, 1e-5), pm.Link(1e8, 1e-3)
+    by_kind = {"all_reduce": fast, "all_gather": fast, "blocking_all_reduce": slow, "blocking_all_gather": slow}
+    one_link, own_links = (pm.Cluster("c", rates, 1e9, 4, fast, 1e9, 1e-5, fast, intra_by_kind=kinds)
+                           for kinds in ({}, by_kind))
+    spec = pm.StepSpec(2, 64, 32, 256, 3, nd=2, nm=2, stage=1, checkpoints="pa", elem_bytes=4,
+                       dp_moved={"all_reduce": 1e6, "all_gather": 1e6}, dp_calls={"all_reduce": 3, "all_gather": 1})
+    a, b = pm.predict(spec, one_link), pm.predict(spec, own_links)
+    for term in ("mp_forward", "mp_backward", "pa_comm"):
+        assert b.terms[term] > 5 * a.terms[term] > 0
+    assert b.terms["dp_backward"] == a.terms["dp_backward"]           # bucket reductions: the fast link
+    statistics = 2 * (2 * 1 * 1e-3)                                    # over DP and over MP: 2 (p-1) hops
+    assert b.terms["dp_step"] - pm.predict(spec, dataclasses.replace(own_links, intra_by_kind={
+        **by_kind, "blocking_all_reduce": pm.Link(1e8, 0.0)})).terms["dp_step"] == pytest.approx(statistics)
+
+
 def test_stage3_own_work_is_measured_on_the_engine():
     """Over one rank, a small GPT whose blocks compute little: stage 3's hooks and buffers cost more
     than stage 0's plain step, in forward and in backward; the copies are timed beside them."""

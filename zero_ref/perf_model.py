@@ -127,7 +127,12 @@ class Link:
     latency: float
 
 
-HOPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+HOPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1,
+        "blocking_all_reduce": 2, "blocking_all_gather": 1}
+"""Ring hops per collective, over (p - 1) ranks. ``blocking_*``: a collective waited for as soon
+as it is issued (Megatron's all-reduces, Pa's gathers of checkpoints, the step's statistics), where
+the engine's bucket reductions and gathers are several in flight: a machine may run the two at other
+constants (``Cluster.intra_by_kind``; the paper's machine has one link for all)."""
 
 MP_LOSS_CALLS = 2
 """All-reduces of the vocabulary-parallel loss per forward (the max, then the sum of exponentials
@@ -258,17 +263,19 @@ def predict(spec: StepSpec, cluster: Cluster) -> Prediction:
              "head_backward": 2 * f["head"] / 3 / nm / rate["head_backward"]}
     per_block = tokens * spec.hidden          # one activation of the block boundary
     recompute = spec.checkpoints != "none"
-    mp_link = cluster.link(nm, min(nm, cluster.ranks_per_node), "all_reduce")
+    mp_link = cluster.link(nm, min(nm, cluster.ranks_per_node), "blocking_all_reduce")
     forward_calls, backward_calls = mp_all_reduce_calls(spec.layers, recompute)
     loss_moved = 2 * tokens + 2 * 2 * tokens     # the loss's max, then (sum of exponentials, target logit)
-    terms["mp_forward"] = (collective_seconds("all_reduce", 2 * forward_calls * per_block, spec.elem_bytes, nm,
-                                              mp_link, forward_calls)
-                           + collective_seconds("all_reduce", loss_moved, 4, nm, mp_link, MP_LOSS_CALLS))
-    terms["mp_backward"] = collective_seconds("all_reduce", 2 * backward_calls * per_block, spec.elem_bytes, nm,
-                                              mp_link, backward_calls)
+
+    def mp_all_reduces(moved: float, elem_bytes: float, calls: int) -> float:
+        return collective_seconds("blocking_all_reduce", moved, elem_bytes, nm, mp_link, calls)
+
+    terms["mp_forward"] = (mp_all_reduces(2 * forward_calls * per_block, spec.elem_bytes, forward_calls)
+                           + mp_all_reduces(loss_moved, 4, MP_LOSS_CALLS))
+    terms["mp_backward"] = mp_all_reduces(2 * backward_calls * per_block, spec.elem_bytes, backward_calls)
     pa = spec.checkpoints in ("pa", "pa_cpu") and nm > 1
-    terms["pa_comm"] = collective_seconds("all_gather", spec.layers * per_block, spec.elem_bytes, nm,
-                                          cluster.link(nm, min(nm, cluster.ranks_per_node), "all_gather"),
+    terms["pa_comm"] = collective_seconds("blocking_all_gather", spec.layers * per_block, spec.elem_bytes, nm,
+                                          cluster.link(nm, min(nm, cluster.ranks_per_node), "blocking_all_gather"),
                                           spec.layers) if pa else 0.0
     host_bytes = 2 * spec.layers * math.ceil(per_block / nm) * spec.elem_bytes
     terms["host"] = (host_bytes / cluster.host.bandwidth + 2 * spec.layers * cluster.host.latency
@@ -282,9 +289,10 @@ def predict(spec: StepSpec, cluster: Cluster) -> Prediction:
         calls["all_reduce"] = max(calls.get("all_reduce", 1) - STEP_STATS_CALLS, 0)
     dp = {kind: collective_seconds(kind, moved, spec.elem_bytes, spec.nd, dp_link[kind], calls.get(kind, 1))
           for kind, moved in spec.dp_moved.items()}
-    stats = collective_seconds("all_reduce", 0, spec.elem_bytes, spec.nd, dp_link["all_reduce"], STEP_STATS_CALLS)
+    stats = collective_seconds("blocking_all_reduce", 0, spec.elem_bytes, spec.nd, dp_link["blocking_all_reduce"],
+                               STEP_STATS_CALLS)
     if nm > 1:                    # and again over the MP group
-        stats += collective_seconds("all_reduce", 0, spec.elem_bytes, nm, mp_link, STEP_STATS_CALLS)
+        stats += mp_all_reduces(0, spec.elem_bytes, STEP_STATS_CALLS)
     exposed = 1.0 - cluster.dp_overlap
     reductions = dp.get("reduce_scatter", 0.0) + dp.get("all_reduce", 0.0)
     gathers = dp.get("all_gather", 0.0) + dp.get("broadcast", 0.0)
