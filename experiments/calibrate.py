@@ -356,7 +356,8 @@ def merge(earlier: dict, later: dict) -> dict:
     rows = [row for row in earlier["link_rows"] if row["world"] not in later["worlds"]] + later["link_rows"]
     return {**earlier, "worlds": worlds, "rates": earlier["rates"] | later["rates"],
             "adamw": earlier["adamw"] | later["adamw"],
-            "stage3_own": earlier.get("stage3_own", {}) | later.get("stage3_own", {}), "links": links, "link_rows": rows,
+            "stage3_own": earlier.get("stage3_own", {}) | later.get("stage3_own", {}),
+            "links": links, "link_rows": rows,
             "seconds": earlier["seconds"] + later["seconds"],
             "drift": earlier.get("drift", {}) | later.get("drift", {})}
 
