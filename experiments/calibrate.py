@@ -155,12 +155,13 @@ def stage3_own(group, vocab: int, seq: int = SEQ, shape: dict = OWN_SHAPE, reps:
     from zero_ref.models import ParallelGPT
 
     done = synchronizer(device)
+    bucket_numel = 12 * shape["hidden"] ** 2          # about one block, as the timed runs' buckets
     engines = {}
     for stage in (0, 3):
         with torch.device("meta"):
             model = ParallelGPT(shape["layers"], shape["hidden"], shape["heads"], vocab, seq, seed=0)
         checkpoint_blocks(model.blocks, "plain", None)
-        config = zero_ref.ZeroConfig(stage=stage, dtype=dtype, bucket_numel=12 * shape["hidden"] ** 2)
+        config = zero_ref.ZeroConfig(stage=stage, dtype=dtype, bucket_numel=bucket_numel)
         engines[stage] = zero_ref.initialize(model, config, group, device=device)
     elements = sum(p.numel() for p in model.parameters())
     tokens = torch.randint(0, vocab, (shape["batch"], seq), device=device)
@@ -183,16 +184,17 @@ def stage3_own(group, vocab: int, seq: int = SEQ, shape: dict = OWN_SHAPE, reps:
     for engine in engines.values():
         engine.close()
     forward, backward = (max(statistics.median(e[i] for e in extra), 0.0) for i in (0, 1))
-    copy = _copy_seconds(elements, 12 * shape["hidden"] ** 2, reps, sync, device, dtype)
+    copy = _copy_seconds(elements, bucket_numel, reps, sync, device, dtype)
     return forward / elements, backward / elements, copy / elements
 
 
 def _copy_seconds(elements: int, piece: int, reps: int, sync, device, dtype: str) -> float:
     """Median seconds to copy ``elements`` elements in pieces of ``piece`` into buffers written before."""
     from experiments.bench_kernels import synchronizer
+    from zero_ref.config import DTYPES
 
     done = synchronizer(device)
-    kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    kind = DTYPES[dtype]
     sizes = [min(piece, elements - start) for start in range(0, elements, piece)]
     sources = [torch.randn(n, device=device).to(kind) for n in sizes]
     targets = [torch.zeros_like(source) for source in sources]
@@ -296,10 +298,10 @@ def _mean_over_ranks(per_rank: list[tuple]) -> tuple:
     def harmonic(values):
         return len(values) / sum(1.0 / v for v in values)
 
-    rates = {name: {point: harmonic([r[0][name][point] for r in per_rank]) for point in points}
-             for name, points in per_rank[0][0].items()}
-    own = tuple(statistics.mean(r[2][i] for r in per_rank) for i in range(3))
-    return rates, harmonic([r[1] for r in per_rank]), own
+    rates_by_rank, steps, owns = zip(*per_rank)
+    rates = {name: {point: harmonic([r[name][point] for r in rates_by_rank]) for point in points}
+             for name, points in rates_by_rank[0].items()}
+    return rates, harmonic(steps), tuple(statistics.mean(values) for values in zip(*owns))
 
 
 def calibrate(vocab: int, quick: bool = False, worlds=(1, 2, 3, 4)) -> dict:
