@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 from .manifest import (STATE_KINDS, CheckpointError, build_manifest, canonical_names, check_groups_match,
                        check_matches_model, restore_groups, training_state,
                        persistent_buffers, piece_index, read_manifest, seal)
+from .state_dict import write_model_state
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "resolve", "read_manifest"]
 
@@ -214,15 +215,10 @@ def _apply(engine, read: dict) -> None:
         stage.adopt_order(read["order"])
         optimizer = stage.optimizer
     segments = dict(zip(STATE_KINDS, (optimizer.masters, optimizer.exp_avgs, optimizer.exp_avg_sqs)))
+    buffers = [buffer for _, buffer in persistent_buffers(engine.module)]
+    whole = [*zip(engine.frozen, read["frozen"]), *zip(buffers, read["buffers"])]
+    write_model_state(stage, segments, lambda param, start, end: read["pieces"][(id(param), start)], whole)
     with torch.no_grad():
-        for param, start, end, g, offset in stage.owned_pieces():
-            for kind, source in read["pieces"][(id(param), start)].items():
-                segments[kind][g][offset:offset + end - start].copy_(source)
-        for param, source in zip(engine.frozen, read["frozen"]):
-            param.data.copy_(source.to(param.dtype))
-        for (_, buffer), source in zip(persistent_buffers(engine.module), read["buffers"]):
-            buffer.data.copy_(source.to(buffer.dtype))
-        stage.sync_params_from_master()
         stage.zero_grads()
     if "rng/cpu" in read["rng"]:
         torch.set_rng_state(read["rng"]["rng/cpu"])

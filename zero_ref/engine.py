@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -69,11 +68,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import activations, checkpoint, materialize, tensor_parallel
+from . import activations, checkpoint, materialize
+from . import state_dict as state_dict_io
 from .param_groups import ZeroOptimizer, agreement, agreement_stats, build_groups
 from .comm import Comm, CommLedger, label
 from .config import ZeroConfig
-from .manifest import persistent_buffers
+from .grad_stats import GradStats
 from .precision import LossScaler
 from .sharded_param import is_freed
 from .stage0 import Stage0
@@ -193,6 +193,7 @@ class ZeroEngine:
         if not sharded_construction:
             self.stage = _make_stage(model, trainable, config, self.comm)
         self.optimizer = ZeroOptimizer(self, groups)
+        self.grad_stats = GradStats(self.stage, self.comm, self.mp_comm)
         self.scaler = LossScaler(enabled=self.dtype == torch.float16, scale=config.initial_loss_scale,
                                  growth_interval=config.loss_scale_growth_interval,
                                  min_scale=config.min_loss_scale)
@@ -286,8 +287,8 @@ class ZeroEngine:
         detached = stage.detached()
         unfrozen = [p for p in self.frozen if p.requires_grad]   # trainable now, but never sharded
         extra = [*agreement_stats(hyper), float(stage.params_written()), float(len(detached) + len(unfrozen))]
-        stats = torch.cat([self._grad_stats(grads), stage.used_mask(extra)])
-        self._sum_stats(stats, mp_slots=[0, 1, -1])
+        stats = torch.cat([self.grad_stats.local(grads), stage.used_mask(extra)])
+        self.grad_stats.sum(stats, mp_slots=[0, 1, -1])
         # meta tensors (the engine at scale, at_scale.py) have no values: step as if every gradient
         # were present and finite, so that the update makes its real allocations
         n_used = len(stats) - 2 - len(extra)
@@ -307,8 +308,8 @@ class ZeroEngine:
         if nonfinite:
             return self._skip_step()
         if not math.isfinite(sum_sq):        # finite gradients whose squares overflow fp32
-            total = self._grad_stats(grads, fp64=True)
-            self._sum_stats(total)
+            total = self.grad_stats.local(grads, fp64=True)
+            self.grad_stats.sum(total)
             sum_sq = total.item()
         grad_scale = 1.0 / self.scaler.scale
         if self.config.grad_clip is not None:
@@ -374,42 +375,6 @@ class ZeroEngine:
                 "engine.load_state_dict(...) instead. Hugging Face's Switch "
                 "Transformers router calls self.classifier.to(router_dtype) in every forward: give it "
                 f"SwitchTransformersConfig(router_dtype='{dtype}').")
-
-    def _grad_stats(self, grads: list[torch.Tensor], fp64: bool = False) -> torch.Tensor:
-        """[sum of squares, non-finite flag] of this rank's gradients as they enter the sums over
-        the ranks (fp64: [the sum of squares in fp64] alone). With gradients replicated (stage 0)
-        every rank holds the same ones, so only rank 0 reads them and the others add zeros; each
-        MP rank counts its replicated parameters' share (see _replicated_share)."""
-        optimizer = self.stage.optimizer
-        if not self.stage.grads_sharded and self.comm.rank != 0:
-            return torch.zeros(1 if fp64 else 2, dtype=torch.float64 if fp64 else torch.float32,
-                               device=self.stage.device)
-        measure = (lambda pieces: optimizer.sum_of_squares_fp64(pieces).view(1)) if fp64 else optimizer.grad_stats
-        stats = measure(grads)
-        if self.mp_comm is not None:
-            stats[0] -= self._replicated_share(measure(self._replicated_pieces(grads))[0])
-        return stats
-
-    def _sum_stats(self, stats: torch.Tensor, mp_slots: slice | list[int] = slice(0, 2)) -> None:
-        """Sum the step's statistics over the data-parallel ranks, then the entries at `mp_slots`
-        over the MP ranks: the sum of squares and the flag (and, in step's statistics, the count of
-        replaced parameters, so that one MP rank's finding stops every rank)."""
-        if self.comm.world_size > 1:
-            self.comm.all_reduce(stats, "sum")
-        if self.mp_comm is not None:
-            head = stats[mp_slots].clone()
-            self.mp_comm.all_reduce(head, "sum")
-            stats[mp_slots] = head
-
-    def _replicated_pieces(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's gradient pieces of parameters replicated across the MP group."""
-        return [grads[g][offset:offset + end - start] for param, start, end, g, offset in self.stage.owned_pieces()
-                if not tensor_parallel.is_model_parallel(param)]
-
-    def _replicated_share(self, sum_sq: torch.Tensor) -> torch.Tensor:
-        """Replicated parameters have the same gradient on every MP rank: of their sum of squares
-        each rank contributes 1/Nm, so that the sum over the MP group counts them once."""
-        return sum_sq * (1.0 - 1.0 / self.mp_comm.world_size)
 
     def _skip_step(self) -> bool:
         """Non-finite gradients on some rank (the same decision on every rank): change nothing."""
@@ -478,13 +443,6 @@ class ZeroEngine:
         """Steps skipped because a gradient was non-finite (fp16 overflow, or nonfinite='skip')."""
         return self._skipped_steps
 
-    def _names_by_param(self) -> dict[int, list[str]]:
-        """{id(parameter): every name it has in the model} (a tied parameter has several)."""
-        names = defaultdict(list)
-        for name, param in self.module.named_parameters(remove_duplicate=False):
-            names[id(param)].append(name)
-        return names
-
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Give the model new values after initialize ({name: tensor of full shape}, the same on every
         rank: a torch state_dict or what full_state_dict returned). Each rank copies its own pieces
@@ -493,37 +451,9 @@ class ZeroEngine:
         the master, not the parameter (a write into `param.data` would be lost at the next step), and
         at stage 3, where a parameter has no values outside the forward. Checked before anything changes:
         every parameter present (a tied one under any of its names, equal under each), shapes as the
-        model's, no unknown key."""
+        model's, no unknown key (state_dict.py)."""
         self._check_open()
-        names = self._names_by_param()
-        buffers = dict(persistent_buffers(self.module))
-        known = {n for ns in names.values() for n in ns} | set(buffers)
-        problems = [f"unknown key {k!r}" for k in state_dict if k not in known]
-        source = {}
-        for param in [p for g in self.stage.groups for p in g.params] + self.frozen:
-            present = [n for n in names[id(param)] if n in state_dict]
-            key = present[0] if present else None
-            if key is None:
-                problems.append(f"missing {names[id(param)][0]!r}")
-            elif any(not torch.equal(state_dict[n], state_dict[key]) for n in present[1:]):
-                problems.append(f"{' and '.join(map(repr, present))} are one tied parameter but differ")
-            elif tuple(state_dict[key].shape) != tuple(param.shape):
-                problems.append(f"{key!r} has shape {tuple(state_dict[key].shape)}, the model's is {tuple(param.shape)}")
-            else:
-                source[id(param)] = state_dict[key].detach()
-        if problems:
-            raise ValueError("load_state_dict: " + "; ".join(problems) + ". Nothing was changed")
-        masters = self.stage.optimizer.masters
-        with torch.no_grad():
-            for param, start, end, g, offset in self.stage.owned_pieces():
-                piece = source[id(param)].reshape(-1)[start:end]
-                masters[g][offset:offset + end - start].copy_(piece.to(masters[g].device, masters[g].dtype))
-            for param in self.frozen:
-                param.data.copy_(source[id(param)].to(param.device, param.dtype))
-            for name, buffer in buffers.items():
-                if name in state_dict:
-                    buffer.data.copy_(state_dict[name].to(buffer.device, buffer.dtype))
-            self.stage.sync_params_from_master()
+        state_dict_io.load_state_dict(self, state_dict)
 
     def full_state_dict(self, rank0_only: bool = False, device: str | torch.device = "cpu"
                         ) -> dict[str, torch.Tensor]:
@@ -533,30 +463,7 @@ class ZeroEngine:
         group beyond its shards; with `rank0_only` the other ranks return {} and hold no copy."""
         self._check_open()
         self._adopt_param_writes()
-        device = torch.device(device)
-        keep = not rank0_only or self.comm.rank == 0
-        names = self._names_by_param()
-        values: dict[str, torch.Tensor] = {}
-        for g, group in enumerate(self.stage.groups):
-            full = self.stage.full_master(g)
-            if keep:
-                for param, start, end in group.param_ranges():
-                    value = full[start:end].view(param.shape).to(device, copy=True)
-                    for name in names[id(param)]:
-                        values[name] = value
-        if not keep:
-            return {}
-        for param in self.frozen:
-            for name in names[id(param)]:
-                values[name] = param.detach().float().to(device, copy=True)
-        out = {}
-        for key, tensor in self.module.state_dict(keep_vars=True).items():
-            if key in values:
-                out[key] = values[key]
-            else:   # a persistent buffer
-                tensor = tensor.detach()
-                out[key] = (tensor.float() if tensor.is_floating_point() else tensor).to(device, copy=True)
-        return out
+        return state_dict_io.full_state_dict(self, rank0_only, torch.device(device))
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of live tensor storage on this rank by category (each storage counted once):
