@@ -21,13 +21,13 @@ What is measured, per step, after ``--warmup`` untimed steps (a barrier starts e
   count, **with checkpoint recomputation counted** when blocks are checkpointed;
 * peak memory: CUDA's ``max_memory_allocated``; on the CPU the peak of every allocation since the
   model's construction in the last warm-up step (alloc_trace's recorder: accounted bytes), and
-  over all warm-up steps (the first step repacks the buckets once, see step_peak_bytes);
+  over all warm-up steps (the first step repacks the buckets once, see batch_search.step_peak_bytes);
 * elements moved per step: the engine's ledger (data parallel) and every collective counted
   below the engine (collective_count, which also sees the model-parallel all-reduces).
 
 ``--max-batch-budget-gb X`` first searches the largest batch per rank whose steps, the first one
 included, fit X GB on this rank (the engine's own allocation trace of those steps on meta tensors,
-``step_trace``; on CUDA replayed through the caching-allocator model, ``fits_cuda_budget``),
+batch_search.py; on CUDA replayed through the caching-allocator model),
 then times that batch; on CUDA the run is held to X GB (``set_per_process_memory_fraction``), so a
 search that undercounts fails loudly (out of memory) instead of timing a run that does not fit.
 ``--dry-run`` checks the arguments and prints the plan without starting anything (the SLURM
@@ -144,7 +144,7 @@ def build_engine(spec: RunSpec, device: torch.device):
         checkpoint_blocks(model.blocks, spec.checkpoints, mp_group, contiguous=spec.md)
     config = zero_ref.ZeroConfig(stage=spec.stage, dtype=spec.dtype,
                                  bucket_numel=spec.bucket_numel or 12 * spec.hidden**2)
-    # on meta (a fake process group, step_peak_bytes) the engine runs on the meta tensors themselves
+    # on meta (a fake process group, batch_search.py) the engine runs on the meta tensors themselves
     engine = zero_ref.initialize(model, config, mesh=mesh, device=None if device.type == "meta" else device)
     return mesh, engine, local_params
 
@@ -289,69 +289,6 @@ def summarize(spec: RunSpec, world_size: int, results: list[dict]) -> dict:
     return row
 
 
-# ------------------------------------------------------------------------ the largest batch that fits
-def step_trace(spec: RunSpec, nd: int, batch: int):
-    """Every allocation one rank of ``nd`` x ``spec.mp`` makes in three steps of ``spec`` at
-    ``batch``, from the model's construction on (alloc_trace.AllocationTrace, marks "step 0".."step
-    2"): the same model and engine as a timed run, built on meta tensors as one rank of a fake
-    process group (at_scale.fake_world)."""
-    from zero_ref.alloc_trace import record_allocations
-    from zero_ref.at_scale import fake_world
-
-    spec = replace(spec, batch=batch)
-    with fake_world(nd * spec.mp), record_allocations({"meta"}) as trace:
-        _, engine, _ = build_engine(spec, torch.device("meta"))
-        tokens = torch.zeros(batch, spec.seq, dtype=torch.long, device="meta")
-        for i in range(3):
-            trace.mark(f"step {i}")
-            engine.backward(engine(tokens))
-            engine.step()
-        engine.close()
-    return trace
-
-
-def step_peak_bytes(spec: RunSpec, nd: int, batch: int, steady: bool = True) -> int:
-    """Peak bytes one rank holds in ``step_trace``. ``steady``: the third step's peak; else the
-    peak over all three (the first step peaks higher once: stages 0-2 repack their buckets in
-    gradient-arrival order, and for a moment both layouts exist, bucketed.py). On the CPU this is
-    exactly what a real run's recorder sees; a GPU also needs what its caching allocator reserves
-    beyond it (``fits_cuda_budget``)."""
-    trace = step_trace(spec, nd, batch)
-    return max(trace.live_bytes()[trace.marks["step 2" if steady else "step 0"]:])
-
-
-def fits_cuda_budget(spec: RunSpec, nd: int, batch: int, budget_bytes: float) -> bool:
-    """Would a CUDA run held to ``budget_bytes`` (set_per_process_memory_fraction caps the bytes
-    the caching allocator reserves) get through ``step_trace``? Its allocations, construction
-    included, replayed through the allocator model (zero_ref.caching_allocator: rounding, splitting,
-    caching, release and retry at the cap), which ran out where the allocator would."""
-    from zero_ref import caching_allocator
-
-    return caching_allocator.fits(step_trace(spec, nd, batch), int(budget_bytes))
-
-
-def max_batch(spec: RunSpec, nd: int, budget_bytes: float, limit: int = 4096, steady: bool = True,
-              allocator: bool = False) -> int:
-    """The largest batch per rank whose steps fit ``budget_bytes`` (0 if not even one sequence): by
-    the steady-state step's peak of live bytes (``steady``), by the peak of every step from the
-    first on, or (``allocator``) by what CUDA's caching allocator would need for all of them
-    (``fits_cuda_budget``), which a run held to the budget on a GPU must get through."""
-    def fits(batch: int) -> bool:
-        if allocator:
-            return fits_cuda_budget(spec, nd, batch, budget_bytes)
-        return step_peak_bytes(spec, nd, batch, steady) <= budget_bytes
-
-    if not fits(1):
-        return 0
-    low, high = 1, 2
-    while high <= limit and fits(high):
-        low, high = high, high * 2
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
-
-
 # --------------------------------------------------------------------------------- command line
 def paper_spec(figure: str, label: str, system: str, config: str | None = None, gpus: int | None = None,
                seq: int = 1024, vocab: int = 50257) -> tuple[RunSpec, int]:
@@ -443,6 +380,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         # the steady state; on CUDA the run is held to the budget, and the allocator's rounding and
         # caching count as well (an H200 run of the steady-state search's batch ran out of memory in
         # its first step: 8.07 GiB allocated, 1.14 GiB reserved beside it, 9.31 GiB allowed)
+        from experiments.batch_search import max_batch
+
         on_cuda = under_launcher and torch.cuda.is_available()
         spec = replace(spec, batch=max_batch(spec, nd, args.max_batch_budget_gb * 1e9, steady=False,
                                              allocator=on_cuda), budget_gb=args.max_batch_budget_gb)

@@ -175,7 +175,7 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
         "## 2. Superlinear scaling at our scale (Sec 10.3's mechanism, measured)", "",
         f"Pos+g (stage 2), model 4 x 256 (vocab {throughput_study.VOCAB}, seq 128), fp32, one thread per rank; "
         f"a per-rank budget of {scaling.budget_mb.iloc[0]:.1f} MB, set so that batch 2 fits one rank (the "
-        "engine's own allocation trace of a steady-state step on meta tensors, `throughput.step_peak_bytes`, which "
+        "engine's own allocation trace of a steady-state step on meta tensors, `batch_search.step_peak_bytes`, which "
         "equals what the real runs' recorder measures: `peak_mb`). The first step peaks higher once "
         "(`first_step_peak_mb`: the buckets are repacked in gradient-arrival order and both layouts exist for a "
         "moment) and is not part of the budget.", "",

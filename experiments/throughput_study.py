@@ -29,7 +29,8 @@ from dataclasses import replace
 import pandas as pd
 
 from experiments import calibrate
-from experiments.throughput import RunSpec, max_batch, step_peak_bytes
+from experiments.batch_search import max_batch, step_peak_bytes
+from experiments.throughput import RunSpec
 from experiments.throughput import main as throughput_main
 from zero_ref import perf_model as pm
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from experiments import calibrate, paper_projection
+from experiments import batch_search, calibrate, paper_projection
 from experiments import throughput as tp
 from experiments.paper_values import paper_runs
 from zero_ref import perf_model as pm
@@ -109,7 +109,7 @@ def test_a_timed_run_reports_phases_rates_memory_and_traffic(runs):
     assert row["wait_backward_reduce_scatter"] <= row["profiled_backward_s"]
     # the CPU's peak is the engine's allocation trace of the same step on meta tensors (within a few %:
     # a fake group's collectives complete at once, so stage 3's gathered buffers live a little longer)
-    assert row["peak_gb"] * 1e9 == pytest.approx(tp.step_peak_bytes(spec, 2, 3), rel=0.05)
+    assert row["peak_gb"] * 1e9 == pytest.approx(batch_search.step_peak_bytes(spec, 2, 3), rel=0.05)
     assert row["first_step_peak_gb"] >= row["peak_gb"]
     assert (runs["out"] / "throughput.csv").read_text().count("\n") == 3    # header + two runs
 
@@ -144,20 +144,20 @@ def test_megatron_all_reduces_per_block(runs):
 
 def test_largest_batch_grows_as_pos_g_shards_the_states():
     spec = tp.RunSpec(layers=2, hidden=64, heads=4, seq=32, vocab=2048, stage=2)
-    budget = tp.step_peak_bytes(spec, 1, 2) * 1.01
-    fits = [tp.max_batch(spec, nd, budget) for nd in (1, 2, 4)]
+    budget = batch_search.step_peak_bytes(spec, 1, 2) * 1.01
+    fits = [batch_search.max_batch(spec, nd, budget) for nd in (1, 2, 4)]
     assert fits[0] == 2 and fits[0] < fits[1] < fits[2]
-    assert tp.step_peak_bytes(spec, 4, fits[2]) <= budget < tp.step_peak_bytes(spec, 4, fits[2] + 1)
+    assert batch_search.step_peak_bytes(spec, 4, fits[2]) <= budget < batch_search.step_peak_bytes(spec, 4, fits[2] + 1)
     # a run held to the budget must survive the first step too, which peaks higher (the repack):
     # here 4 sequences fit the steady state, and not even one fits the first step
-    budget = tp.step_peak_bytes(spec, 1, 4) * 1.01
-    assert tp.max_batch(spec, 1, budget) == 4 and tp.max_batch(spec, 1, budget, steady=False) == 0
+    budget = batch_search.step_peak_bytes(spec, 1, 4) * 1.01
+    assert batch_search.max_batch(spec, 1, budget) == 4 and batch_search.max_batch(spec, 1, budget, steady=False) == 0
     with pytest.raises(SystemExit, match="not even one sequence per rank fits"):   # the command line's search
         tp.main(["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "2048", "--stage", "2",
                  "--world-size", "1", "--max-batch-budget-gb", str(budget / 1e9)])
-    budget = tp.step_peak_bytes(spec, 1, 2, steady=False) * 1.0001
-    first = tp.max_batch(spec, 1, budget, steady=False)
-    assert tp.step_peak_bytes(spec, 1, first, steady=False) <= budget < tp.step_peak_bytes(spec, 1, first + 1,
+    budget = batch_search.step_peak_bytes(spec, 1, 2, steady=False) * 1.0001
+    first = batch_search.max_batch(spec, 1, budget, steady=False)
+    assert batch_search.step_peak_bytes(spec, 1, first, steady=False) <= budget < batch_search.step_peak_bytes(spec, 1, first + 1,
                                                                                           steady=False)
 
 
@@ -166,11 +166,11 @@ def test_a_cuda_budget_counts_what_the_caching_allocator_reserves():
     bytes it asks for: the search by the allocator model picks a smaller batch, and that batch is
     the largest the model gets through."""
     spec = tp.RunSpec(layers=2, hidden=64, heads=4, seq=32, vocab=2048, stage=2)
-    budget = tp.step_peak_bytes(spec, 1, 8, steady=False) * 1.01
-    by_bytes = tp.max_batch(spec, 1, budget, steady=False)
-    by_allocator = tp.max_batch(spec, 1, budget, allocator=True)
+    budget = batch_search.step_peak_bytes(spec, 1, 8, steady=False) * 1.01
+    by_bytes = batch_search.max_batch(spec, 1, budget, steady=False)
+    by_allocator = batch_search.max_batch(spec, 1, budget, allocator=True)
     assert 1 <= by_allocator < by_bytes
-    assert tp.fits_cuda_budget(spec, 1, by_allocator, budget) and not tp.fits_cuda_budget(spec, 1, by_allocator + 1,
+    assert batch_search.fits_cuda_budget(spec, 1, by_allocator, budget) and not batch_search.fits_cuda_budget(spec, 1, by_allocator + 1,
                                                                                            budget)
 
 
