@@ -88,7 +88,7 @@ def report(out: Path, run: Path, baseline: Path | None, threshold: float) -> Pat
              "distribution-free 95% interval of that median. fp32 throughout; bytes per rank are params + grads + "
              "optimizer states + buffers + the constant-size buckets (CB), the formula counts the first three "
              "(16 B/Ψ at stage 0: 4 + 4 + 8). Elements are counted below the engine (CountCollectives), per rank "
-             "per step, the paper's way (the formula is 2Ψ for stages 0-2, 3Ψ for stage 3; at Nd = 1 the collectives still run, on a group of one, and count alike though nothing crosses a wire).", "",
+             "per step, the paper's way (the formula is 2Ψ for stages 0-2, 3Ψ for stage 3; at Nd = 1 nothing is issued: over one rank the engine's collectives are local copies, so 0 is counted).", "",
              f"Gate: fails when the interval's lower end lies above the baseline's upper end x {1 + threshold:.2f}, "
              "or when bytes or elements changed at all; stage 3's buckets on gloo (CB and so the total) are the "
              "exception: its reducer never blocks during backward and reuses a bucket once its reduction is done, "

@@ -209,7 +209,7 @@ def extra_info(spec: BenchSpec, world_size: int, stage: int, summary: dict, repo
                                    "optimizer_states": formula.optimizer_states, "total": formula.total},
         "elements_per_step": report["elements"], "elements_total": elements_total,
         "elements_over_psi": elements_total / psi,
-        # at Nd = 1 the engine still issues every collective, on a group of one: counted as the formula
+        # the paper's count; at Nd = 1 nothing is issued below the engine (local copies), so 0 is measured there
         "formula_elements_over_psi": memory_model.comm_volume_elements(psi, stage) / psi,
         "ddp_elements_per_step": ddp_report["elements"],
         "max_loss_diff_vs_ddp": report["max_loss_diff_vs_ddp"], "loss_diff_first_steps": report["loss_diff_first_steps"],

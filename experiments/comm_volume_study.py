@@ -29,8 +29,8 @@ What the count adds to the formula, each in its own column:
 * padding: each flat group is padded to a multiple of Nd, so a reduce-scatter or all-gather call
   moves at most Nd - 1 elements more than its share of Ψ (``padding_bound``: calls × (Nd - 1)).
 
-At Nd = 1 nothing needs to move, but a process group of one still runs its collectives: the
-count shows what the code issues, the formula what the paper counts.
+At Nd = 1 nothing needs to move and nothing is issued: over one rank the engine's collectives are
+local copies (comm.Comm), so the count is 0; the engine's ledger still counts the paper's way.
 
 Outputs in ``--out`` (default ``results/comm_volume``): comm_volume.csv, REPORT.md, meta.json.
 
@@ -121,12 +121,14 @@ def _row(world: int, r: dict, same_on_every_rank: bool) -> dict:
     sharded_calls = calls["reduce_scatter_calls"] + calls["all_gather_calls"]
     statistics = r["step_all_reduce"]
     padding_bound = sharded_calls * (world - 1)
-    excess = total - formula
+    issued = formula if world > 1 else 0      # a group of one issues nothing: its collectives are local copies
+    excess = total - issued
     return {"stage": stage, "scheme": mm.PAPER_NAMES[stage], "world": world, "psi": psi, "tensors": r["tensors"],
             **moved, "total": total, "forward_backward": r["backward_moved"], "in_step": r["step_moved"], **calls, "formula": int(formula), "formula_per_psi": formula / psi,
             "total_per_psi": total / psi, "excess": int(excess), "step_statistics": statistics,
             "padding_bound": padding_bound, "explained": 0 <= excess - statistics <= padding_bound,
-            "same_on_every_rank": same_on_every_rank, "engine_ledger_total": r["ledger_total"]}
+            "same_on_every_rank": same_on_every_rank, "engine_ledger_total": r["ledger_total"],
+            "ledger_agrees": r["ledger_total"] == (total if world > 1 else formula)}
 
 
 def write_report(out: Path, frame: pd.DataFrame, setup: Setup, meta: dict) -> None:
@@ -149,10 +151,12 @@ def write_report(out: Path, frame: pd.DataFrame, setup: Setup, meta: dict) -> No
         f"global batch {setup.batch}, bucket_numel {setup.bucket_numel:,}. Real gloo ranks on this CPU; each "
         "rank counts every c10d collective of one step (the second) with `zero_ref.collective_count."
         "CountCollectives` (all-reduce of n: 2n; reduce-scatter, all-gather, broadcast of n: n). The engine's "
-        "own ledger is not used for the count (`engine_ledger_total` in the CSV is a cross-check: equal in "
-        f"{int((frame.engine_ledger_total == frame.total).sum())} of {len(frame)} rows). Every rank counted the "
+        "own ledger is not used for the count (`engine_ledger_total` in the CSV is a cross-check: the count "
+        f"over several ranks, the formula over one, in {int(frame.ledger_agrees.sum())} of {len(frame)} rows). "
+        "Every rank counted the "
         f"same in {int(frame.same_on_every_rank.sum())} of {len(frame)} rows.", "",
-        "The paper (Sec 7.1-7.2): 2Ψ for stages 0-2, 3Ψ for stage 3. `excess` = total − formula; it is "
+        "The paper (Sec 7.1-7.2): 2Ψ for stages 0-2, 3Ψ for stage 3. `excess` = total − formula (at world 1: "
+        "total − 0, see below); it is "
         "`explained` when it is the step's statistics all-reduce (`step_statistics`: the all-reduce counted "
         "inside `engine.step()`, a small vector for the gradient norm, the overflow flag, which parameters "
         "got gradients and the ranks' agreement on hyper-parameters; none at world 1) plus at most "
@@ -160,8 +164,10 @@ def write_report(out: Path, frame: pd.DataFrame, setup: Setup, meta: dict) -> No
         f"pads by fewer than Nd elements). Explained in {int(frame.explained.sum())} of {len(frame)} rows. "
         "`forward_backward` and `in_step`: the total split by when it moved.", "",
         markdown.table(table, cell, index=True), "",
-        "At world 1 nothing needs to move, yet a process group of one runs the same collectives (copies): "
-        "the count is what the code issues. The all-reduce of stages 1-3 is the statistics alone; stage 0's "
+        "At world 1 nothing needs to move and nothing is issued: over a group of one the engine's collectives "
+        "are local copies that never reach torch.distributed (comm.Comm), so the count below is 0, while the "
+        "engine's ledger still counts what the paper counts (`engine_ledger_total` = the formula). Over "
+        "several ranks the all-reduce of stages 1-3 is the statistics alone; stage 0's "
         "all-reduce is the gradients (2Ψ, in backward) plus the statistics (in the step).", "",
         "Files: [comm_volume.csv](comm_volume.csv) (every kind, calls per kind, the ledger), "
         "[meta.json](meta.json).", ""]
@@ -172,7 +178,9 @@ def headline(frame: pd.DataFrame) -> list[dict]:
     """One row per stage for results/REPORT.md."""
     rows = []
     for stage, at in frame.groupby("stage"):
-        worlds = ", ".join(f"Nd {r.world}: {r.total_per_psi:.5f}" for r in at.itertuples())
+        worlds = ", ".join(f"Nd {r.world}: {r.total_per_psi:.5f}" for r in at.itertuples() if r.world > 1)
+        if (at.world == 1).any():
+            worlds += f"; Nd 1: {at[at.world == 1].total_per_psi.iloc[0]:g} issued (local copies)"
         rows.append({"item": f"Sec 7: elements per rank per step / Ψ, {mm.PAPER_NAMES[stage]} (stage {stage})",
                      "paper": f"{at.formula_per_psi.iloc[0]:g}Ψ", "ours": worlds,
                      "error": f"excess explained (statistics + padding) in {int(at.explained.sum())}/{len(at)}",

@@ -25,8 +25,8 @@ Beside each measurement, the paper's formulas (``zero_ref.memory_model``):
 * elements moved per rank per step: ``comm_volume_elements`` = 2Ψ at stages 0-2, 3Ψ at stage 3,
   counted the paper's way (a reduce-scatter or all-gather of n: n; an all-reduce of n: 2n). The
   engine adds padding and one small all-reduce of the step's statistics (gradient norm, overflow
-  flag) when Nd > 1. At Nd = 1 it still issues every collective, on a group of one, so the count is
-  the paper's 2Ψ / 3Ψ although a ring moves (Nd-1)/Nd of it over wires: nothing at Nd = 1.
+  flag). At Nd = 1 it issues nothing, as a real one-rank run: its collectives over one rank are
+  local copies (comm.Comm), so the count is 0 (the engine's ledger still counts 2Ψ / 3Ψ).
 
 The paper gives no formula for step time: its plot shows the real runs alone.
 

@@ -333,7 +333,7 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = backend_for(group, device)
-        self.alone = self.world_size == 1 and self.backend != "fake"   # data collectives are local copies
+        self.alone = self.world_size == 1   # data collectives are local copies (at scale too: as a real rank)
         self.timeout_s = timeout_s if device.type == "cpu" else None   # NCCL: never block the host
         self.control_timeout_s = timeout_s                                # control: always gloo
         self._channels = None
