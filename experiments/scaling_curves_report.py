@@ -208,7 +208,11 @@ def write_report(out: Path, at_scale: pd.DataFrame, real: pd.DataFrame | None, c
         lines += ["## Real runs (Nd 1-4) against the engine at scale", "",
                   f"From `{meta['bench_json']}` (commit {meta['bench_commit_info'].get('id', 'unknown')}). Check: "
                   f"real bytes per rank equal the at-scale bytes of the same model, stage and Nd in every category "
-                  f"in **{equal} of {n}** runs; elements per step equal in {int(check.elements_equal.sum())} of {n}.",
+                  f"in **{equal} of {n}** runs; elements per step equal in {int(check.elements_equal.sum())} of {n}. "
+                  "Not compared: what a run marks timing-dependent (`timing_dependent`: stage 3's gradient buckets "
+                  "on gloo, whose reducer never blocks during backward and reuses a bucket once its reduction has "
+                  "finished, so how many exist depends on how fast they ran; the engine at scale keeps the blocking "
+                  "reducer's two, as on CUDA).",
                   "", table(check, cell=_number), "",
                   "Step time (the paper has no formula for it):", "",
                   table(real[["model", "stage", "world_size", "step_s.median", "ddp_step_s.median",

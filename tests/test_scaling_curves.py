@@ -34,7 +34,9 @@ def entry(stage: int, world: int) -> dict:
             "ddp_step_s": {"median": 0.1 * world, "values": [0.1, 0.1, 0.1]},
             "bytes_per_rank": memory,
             "ddp_bytes_per_rank": {"params": 4 * PSI, "grads": 4 * PSI, "optimizer_states": 8 * PSI, "total": 16 * PSI},
-            "elements_per_step": {"all_reduce": 2 * PSI}, "elements_total": 2 * PSI, "elements_over_psi": 2.0,
+            # over one rank nothing reaches torch.distributed
+            "elements_per_step": {"all_reduce": 2 * PSI if world > 1 else 0}, "elements_total": 2 * PSI if world > 1 else 0,
+            "elements_over_psi": 2.0 if world > 1 else 0.0,
             "max_loss_diff_vs_ddp": 0.0}
     return {"name": f"test_step[S-{stage}-{world}]", "params": {}, "stats": {"median": 0.1}, "extra_info": info}
 
@@ -120,3 +122,25 @@ def test_newest_bench_json_prefers_the_last_run_then_the_newest_saved_one(tmp_pa
     assert sc.newest_bench_json(tmp_path).name == "0002_baseline.json"
     (tmp_path / "run.json").write_text("{}")
     assert sc.newest_bench_json(tmp_path) == tmp_path / "run.json"
+
+
+def test_timing_dependent_bytes_are_shown_not_compared():
+    """A category the real run marks timing-dependent (stage 3's buckets on gloo) is listed beside
+    the check, not counted against it; unmarked, the same difference is a mismatch."""
+    categories = dict.fromkeys(sc.CATEGORIES, 0) | {"params": 4 * PSI}
+    at_scale = pd.DataFrame([{"model": "S", "stage": 3, "nd": 1, **categories, "comm_buffers": 2048,
+                              "report_total": 4 * PSI + 2048, "psi": PSI, "engine_total": 4 * PSI,
+                              "elements_total": 0}])
+
+    def real(marked: list[str]) -> pd.DataFrame:
+        bytes_ = {f"bytes_per_rank.{c}": v for c, v in categories.items()} | {
+            "bytes_per_rank.comm_buffers": 1024, "bytes_per_rank.total": 4 * PSI + 1024}
+        return pd.DataFrame([{"model": "S", "stage": 3, "world_size": 1, **bytes_, "psi": PSI,
+                              "real_states": 4 * PSI, "elements_total": 0,
+                              "bytes_timing_dependent": json.dumps(marked)}])
+
+    shown = sc.compare_real(real(["comm_buffers", "total"]), at_scale).iloc[0]
+    assert shown.bytes_equal and shown.elements_equal and shown.mismatches == ""
+    assert "comm_buffers: 1,024 real vs 2,048 at scale" in shown.timing_dependent
+    counted = sc.compare_real(real([]), at_scale).iloc[0]
+    assert not counted.bytes_equal and "comm_buffers: 1,024 real vs 2,048 at scale" in counted.mismatches
