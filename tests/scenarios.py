@@ -19,7 +19,9 @@ def cfg(stage: int, **kw) -> zero_ref.ZeroConfig:
 
 def state_error(state: dict, reference: dict) -> float:
     assert state.keys() == reference.keys(), (sorted(state), sorted(reference))
-    return max((state[k].float() - reference[k].float()).abs().max().item() for k in reference)
+    assert all(state[k].shape == reference[k].shape for k in reference)
+    return max(((state[k].float() - reference[k].float()).abs().max().item() for k in reference
+                if reference[k].numel()), default=0.0)
 
 
 def local(tokens: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -103,6 +105,24 @@ class WithUnused(nn.Module):
         if int(tokens[0, 0]) % 2 == 0:
             x = x + 0.0 * self.sometimes(x)
         return self.head(x)
+
+
+class OddShapes(nn.Module):
+    """Parameters of awkward shape: one with no elements, a 0-d scalar, and a non-contiguous one
+    (the transpose of a 5 x 16 tensor, as `nn.Parameter(w.t())` leaves it)."""
+
+    def __init__(self, dim: int = 16, vocab: int = 23, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, dim)
+        self.empty = nn.Parameter(torch.zeros(0))
+        self.gain = nn.Parameter(torch.tensor(0.5))
+        self.mix = nn.Parameter(torch.randn(5, dim).t())
+        self.head = nn.Linear(5, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = (self.embed(tokens) * self.gain) @ self.mix + self.empty.sum()
+        return self.head(torch.tanh(x))
 
 
 def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

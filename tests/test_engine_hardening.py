@@ -5,8 +5,9 @@ torch.optim.AdamW's exact answer or a clear error on every rank.
 1. step() twice with no backward in between; 2. two backwards before one step; 3. a forward whose
 module order depends on the data (differs between ranks); 4. a parameter used outside the module
 that owns it; 5. a checkpoint corrupted on one rank only; plus a bare loss.backward(), a model with
-unused parameters, a parameter whose .data is replaced on one rank, and buckets that follow the
-order gradients arrive in.
+unused parameters, a parameter whose .data is replaced on one rank, buckets that follow the
+order gradients arrive in, parameters of odd shape (no elements, 0-d, non-contiguous) and steps
+with two forwards and a no_grad forward between a forward and its backward.
 """
 
 from pathlib import Path
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scenarios import (ATOL, DataDependentOrder, ExternalUse, Layered, WithUnused, cfg, local, lm_loss,
-                       reference, state_error, token_batches, train)
+from scenarios import (ATOL, LR, DataDependentOrder, ExternalUse, Layered, OddShapes, WithUnused, cfg, local,
+                       lm_loss, reference, state_error, token_batches, train)
 from zero_ref.launch import spawn
 
 STEPS, BATCH = 5, 12
@@ -379,3 +380,52 @@ def test_a_backward_that_raises_then_zero_grad_then_retry_is_exact(fail_at):
             state, state_bytes = rank_out[stage]
             assert state_error(state, ref) < ATOL, stage
             assert state_bytes == rank_out["unfailed", stage], stage
+
+
+def odd_calls(rank: int, world: int) -> dict:
+    """OddShapes at every stage: trained plainly, and with two forwards per step (their losses
+    averaged) and a no_grad forward between a forward and its backward."""
+    import zero_ref
+
+    batches = token_batches(STEPS, BATCH)
+    out = {}
+    for stage in STAGES:
+        with zero_ref.initialize(OddShapes(), cfg(stage, bucket_numel=40)) as engine:
+            train(engine, batches, rank, world)
+            out["plain", stage] = engine.full_state_dict()
+        with zero_ref.initialize(OddShapes(), cfg(stage, bucket_numel=40)) as engine:
+            for tokens in batches:
+                part = local(tokens, rank, world)
+                first = engine(part)
+                with torch.no_grad():
+                    engine(part.flip(1))          # an evaluation in between: no gradients, no hooks left behind
+                other = part.roll(1, dims=1)           # other tokens: another loss
+                loss = (lm_loss(first, part) + lm_loss(engine(other), other)) / 2
+                engine.backward(loss)
+                engine.step()
+            out["twice", stage] = engine.full_state_dict()
+    return out
+
+
+def test_odd_shapes_and_repeated_forwards_match_adamw():
+    """A parameter with no elements, a 0-d one and a non-contiguous one, at world 3 (no shard size
+    divides evenly); and a step with two forwards and a no_grad forward between forward and
+    backward: every stage gives AdamW's answer on every rank."""
+    world = 3
+    batches = token_batches(STEPS, BATCH)
+    plain = reference(OddShapes, batches, world)
+    model = OddShapes()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    for tokens in batches:
+        pairs = [(p, p.roll(1, dims=1)) for p in tokens.chunk(world)]
+        loss = sum(lm_loss(model(p), p) + lm_loss(model(q), q) for p, q in pairs) / (2 * world)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    twice = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    assert state_error(twice, plain) > 100 * ATOL      # the two checks below tell the patterns apart
+    for rank, out in enumerate(spawn(odd_calls, world, timeout=300)):
+        for stage in STAGES:
+            assert out["plain", stage]["empty"].shape == (0,) and out["plain", stage]["gain"].shape == ()
+            assert state_error(out["plain", stage], plain) < ATOL, (rank, stage)
+            assert state_error(out["twice", stage], twice) < ATOL, (rank, stage)
