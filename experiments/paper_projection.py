@@ -10,9 +10,12 @@ checkpoints. The memory column is the memory study's accounting of the run (max_
 per_gpu_bytes, fragmentation measured by the fragmentation study) against a 32 GB V100.
 
 The terms the model has: compute at a published rate, ring collectives at published bandwidths,
-Megatron's all-reduces, Pa, Pa+cpu's host copies, the optimizer. What it lacks is named in the
-report: nothing in it degrades when memory is nearly full (the allocator's cache flushes and
-retries, smaller buckets), so points the paper ran at the edge of memory are over-predicted.
+Megatron's all-reduces, Pa, Pa+cpu's host copies, the optimizer. Memory pressure is measured
+beside them (``memory_pressure``): each run's steps traced on meta tensors (the real engine at the
+run's Nd x Nm, batch, checkpoints and MD) and replayed through the caching-allocator model at a
+V100's capacity, counting the requests that find the device full and flush the cache before
+retrying (each a device synchronisation on a GPU). Where a run has none, the term is zero whatever
+a retry costs; a retry's cost would need a GPU to measure.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import functools
 
 import pandas as pd
 
+from experiments.fragmentation_trace import TraceCase, trace_steps
 from experiments.max_model_size import Assumptions, Case, per_gpu_bytes
+from zero_ref import caching_allocator
 from experiments.paper_values import paper_runs
 from zero_ref import perf_model as pm
 from zero_ref.at_scale import ModelShape
@@ -82,8 +87,40 @@ def largest_batch(run: dict, device_gb: float = 32 * 2**30 / 1e9) -> int:
     return batch
 
 
-def projections() -> pd.DataFrame:
-    """One row per paper run: the model's TFLOPS per GPU beside the paper's, the terms, memory."""
+ALLOCATOR_BYTES = int(Assumptions().device_bytes - Assumptions().context_bytes)
+"""What PyTorch's caching allocator can hold on a 32 GB V100: the device less the CUDA context and
+the libraries' workspaces (the memory study's 1 GB)."""
+
+
+@functools.cache
+def _pressure(layers: int, hidden: int, heads: int, stage: int, nd: int, nm: int, batch: int,
+              checkpoints: str) -> dict:
+    case = TraceCase(ModelShape(layers, hidden, heads), stage, nd, nm, batch, checkpoints, md=stage > 0)
+    trace = trace_steps(case, steps=2)
+    first, steady = trace.marks["step 0"], trace.marks["step 1"]
+    reserved = caching_allocator.replay(trace, None, steady).peak_reserved
+    try:
+        retries = caching_allocator.replay(trace, ALLOCATOR_BYTES, first, count_from=steady).alloc_retries
+    except caching_allocator.OutOfMemory:
+        retries = None
+    return {"trace_reserved_gb": reserved / 1e9, "alloc_retries_per_step": retries}
+
+
+def memory_pressure(run: dict) -> dict:
+    """The run's memory pressure on a 32 GB V100, measured on its allocation trace: one rank's
+    model and engine at the run's Nd x Nm, batch and checkpoints (MD for ZeRO, as the fragmentation
+    study traces them) run two steps on meta tensors, replayed through zero_ref.caching_allocator
+    holding ``ALLOCATOR_BYTES`` from the first step on. ``trace_reserved_gb``: what the second
+    (steady) step reserves with no limit; ``alloc_retries_per_step``: its requests that found the
+    device full and flushed the cache to retry (None: the steps do not fit at all)."""
+    stage, checkpoints = system_of(run)
+    return _pressure(run["layers"], run["hidden"], run["heads"], stage, run["dp"], run["mp"], run["batch_per_gpu"],
+                     checkpoints)
+
+
+def projections(trace_memory: bool = True) -> pd.DataFrame:
+    """One row per paper run: the model's TFLOPS per GPU beside the paper's, the terms, memory and
+    (``trace_memory``: about 10 minutes) the memory-pressure term measured on the run's trace."""
     rows = []
     for run in paper_runs():
         p = predict_run(run)
@@ -95,7 +132,9 @@ def projections() -> pd.DataFrame:
                      "error_pct": 100 * (p.tflops / paper - 1) if paper else None,
                      "goal_pct": (15 if limited else 30) if paper else None,
                      "step_s": p.seconds, **{f"{k}_s": v for k, v in p.terms.items()},
-                     "memory_gb": memory_gb(run), "largest_batch_32gb": largest_batch(run)})
+                     "memory_gb": memory_gb(run), "largest_batch_32gb": largest_batch(run),
+                     **(memory_pressure(run) if trace_memory else
+                        {"trace_reserved_gb": None, "alloc_retries_per_step": None})})
     frame = pd.DataFrame(rows)
     frame["within_goal"] = frame.error_pct.abs() <= frame.goal_pct
     return frame

@@ -66,6 +66,25 @@ def test_the_limit_applies_from_the_start_event_on():
     assert ca.replay(trace, None, start=2).peak_requested == 12 * MiB
 
 
+def test_a_full_device_flushes_the_cache_and_retries_each_time_it_runs_out():
+    # each step: 12 MiB live, then 16 MiB freed, then a small request (the small pool's own 2 MiB
+    # segment). At 29 MiB the large pool's cached 16 MiB must go for the small segment and the small
+    # segment for the next 16 MiB: from the second step on, two flushes and retries a step
+    events = []
+    for step in range(3):
+        base = 10 * step
+        events += [(base, 12 * MiB), (base + 1, 16 * MiB), (base + 1, -16 * MiB), (base + 2, 1000),
+                   (base + 2, -1000), (base, -12 * MiB)]
+    trace = AllocationTrace(events)
+    assert ca.replay(trace, 30 * MiB).alloc_retries == 0             # everything stays cached
+    assert ca.replay(trace, 29 * MiB).alloc_retries == 1 + 2 + 2
+    assert ca.replay(trace, 29 * MiB, start=6).alloc_retries == 1 + 2   # the cache emptied at the start event
+    assert ca.replay(trace, 29 * MiB, count_from=6).alloc_retries == 2 + 2  # the cache as the first step left it
+    assert ca.replay(trace).alloc_retries == 0                       # no limit: never full
+    with pytest.raises(ca.OutOfMemory):
+        ca.replay(trace, 27 * MiB)                                   # 12 and 16 MiB live at once
+
+
 # ------------------------------------------------------------------------------ the recorder
 def test_recorder_sees_allocations_frees_and_storage_resizes():
     with record_allocations() as trace:

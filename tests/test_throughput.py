@@ -206,6 +206,36 @@ def test_paper_runs_and_projection_shapes():
     assert math.isclose(zero40.flops_per_rank * 4, pm.training_flops(88, 6144, 1024, 50257, 12)["total"])  # MP 4
 
 
+def test_memory_pressure_is_measured_on_the_runs_own_trace(monkeypatch):
+    """The projection's memory-pressure term: the run's two steps traced (the real engine on meta
+    tensors) and replayed at the V100's capacity: no flush with room, None (does not fit) without,
+    and the report's summary names the runs either way."""
+    import pandas as pd
+
+    from experiments.throughput_report import _fig3_pressure_text, _missed_pressure_text, _pressure_summary
+
+    run = {"figure": "Fig 0", "label": "tiny", "layers": 2, "hidden": 64, "heads": 2, "dp": 2, "mp": 1,
+           "batch_per_gpu": 2, "system": "ZeRO", "zero_config": ""}
+    roomy = paper_projection.memory_pressure(run)
+    assert roomy["alloc_retries_per_step"] == 0 and 0 < roomy["trace_reserved_gb"] < 3   # logits: vocab 50257
+    monkeypatch.setattr(paper_projection, "ALLOCATOR_BYTES", 2**20)
+    paper_projection._pressure.cache_clear()
+    assert paper_projection.memory_pressure(run)["alloc_retries_per_step"] is None
+    paper_projection._pressure.cache_clear()
+    frame = pd.DataFrame([{**run, "config": "", "alloc_retries_per_step": r, "trace_reserved_gb": gb}
+                          for r, gb in ((0, 20.0), (3, 31.0), (None, 40.0))])
+    summary = _pressure_summary(frame)
+    assert summary["headline"] == "1 of 2 runs that fit flush the allocator's cache in a steady step, 1 do not fit"
+    assert "tiny ZeRO (batch 2) 3 a step" in summary["text"] and "tiny ZeRO (batch 2), 40.0 GB" in summary["text"]
+    assert _pressure_summary(frame.assign(alloc_retries_per_step=None, trace_reserved_gb=None))["headline"] \
+        == "not traced (--quick)"
+    missed = frame.assign(error_pct=[-40.0, 35.0, 50.0])
+    assert "1 never flush" in _missed_pressure_text(missed)
+    assert "does not explain them" in _missed_pressure_text(missed.iloc[:1])
+    assert "never flushes" in _fig3_pressure_text(frame.iloc[0]) and "3 times" in _fig3_pressure_text(frame.iloc[1])
+    assert "do not fit" in _fig3_pressure_text(frame.iloc[2])
+
+
 def test_cpu_cluster_from_a_calibration():
     alone = {name: {(128, 64): 2e9, (256, 64): 4e9} for name in
              ("block_forward", "block_backward", "head_forward", "head_backward")}

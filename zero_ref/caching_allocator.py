@@ -13,7 +13,8 @@ CUDACachingAllocator.cpp has them (defaults, no expandable segments):
   ties), split when the rest is at least 512 B (small pool) or over 1 MiB (large pool);
 * a freed block merges with free neighbours of its segment and stays cached;
 * when a new segment would exceed the capacity, every wholly free cached segment is released and
-  the request retried once; if it still does not fit: out of memory.
+  the request retried once (counted: `ReplayStats.alloc_retries`, torch's `num_alloc_retries`; on a
+  GPU each is a device synchronisation and cudaFree calls); if it still does not fit: out of memory.
 
 `fragmentation(trace)` is the share of the device a run needs beyond the bytes it asks for: the
 smallest capacity that replays the trace without running out (found by bisection), against the
@@ -68,11 +69,14 @@ class _Block:
 @dataclass
 class ReplayStats:
     """Peaks of one replay: bytes the trace asked for (`requested`), held in blocks (`allocated`,
-    rounded) and held from the device (`reserved`, the segments)."""
+    rounded) and held from the device (`reserved`, the segments); and `alloc_retries`, the requests
+    that found the device full and released the cached segments before asking again (the cost of
+    memory pressure: each stalls a GPU run while the device synchronises)."""
 
     peak_requested: int = 0
     peak_allocated: int = 0
     peak_reserved: int = 0
+    alloc_retries: int = 0
 
 
 class CachingAllocatorModel:
@@ -127,6 +131,7 @@ class CachingAllocatorModel:
     def _new_segment(self, small: bool, size: int) -> _Block:
         nbytes = segment_size(size)
         if self.capacity is not None and self.reserved + nbytes > self.capacity:
+            self.stats.alloc_retries += 1
             self._release_cached_segments()
             if self.reserved + nbytes > self.capacity:
                 raise OutOfMemory(f"{nbytes} B segment with {self.reserved} of {self.capacity} B reserved")
@@ -169,15 +174,19 @@ class CachingAllocatorModel:
         s.peak_reserved = max(s.peak_reserved, self.reserved)
 
 
-def replay(trace: AllocationTrace, capacity: int | None = None, start: int = 0) -> ReplayStats:
+def replay(trace: AllocationTrace, capacity: int | None = None, start: int = 0,
+           count_from: int | None = None) -> ReplayStats:
     """Run `trace` through a fresh allocator; from event `start` on (before it: no limit), every
     wholly free cached segment is released and the device holds `capacity` bytes (raises
-    OutOfMemory when that is too few). The peaks are those from `start` on."""
+    OutOfMemory when that is too few). The peaks and the retries are those from event `count_from`
+    (default: `start`) on."""
     allocator, blocks = CachingAllocatorModel(), {}
+    count_from = start if count_from is None else count_from
     for i, (block_id, nbytes) in enumerate(trace.events):
         if i == start:
             allocator.capacity = capacity
             allocator._release_cached_segments()
+        if i == count_from:
             allocator.stats = ReplayStats(allocator.requested, allocator.allocated, allocator.reserved)
         if nbytes > 0:
             blocks[block_id] = allocator.malloc(nbytes)
