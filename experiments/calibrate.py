@@ -25,6 +25,7 @@ AdamW rate and the collectives' latency and bandwidth. Nothing here is fitted to
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -370,15 +371,34 @@ def cpu_cluster(cal: dict, world: int, alone: bool = False, smooth: bool = True)
     had the machine to itself), smoothed over the grid (``Rate.fitted``: a single point measured
     while ranks share two cores is off by 10-15%; ``smooth=False`` keeps the measured points, as for
     one rank on an idle GPU, whose rates are not noisy and follow no smooth surface), collectives at
-    the links fitted at ``world``, stage 3's own work as measured at the same ranks (``_stage3_own``)."""
+    the links fitted at ``world``, stage 3's own work as measured at the same ranks (``_stage3_own``).
+    More ranks than cores (``cal["cores"]``) share them: no rank can then sustain more than cores /
+    world of a lone rank's rate, and a measurement above that share (its window overlapped the other
+    ranks' idle moments at the barriers: at 3 ranks on 2 cores the short ones summed to 2.4 cores) is
+    held to it (``fair_share``)."""
     by_kind = {kind: link for (w, kind), link in cal["links"].items() if w == world}
     link = by_kind.get("all_reduce", pm.Link(float("inf"), 0.0))
     at = 1 if alone else world
     rate = pm.Rate.fitted if smooth else pm.Rate
-    rates = {name: rate(points) for name, points in cal["rates"][at].items()}
-    return pm.Cluster(f"this machine, {world} one-thread rank(s)", rates, cal["adamw"][at], world, link,
+    measured, adamw = fair_share(cal, at)
+    rates = {name: rate(points) for name, points in measured.items()}
+    return pm.Cluster(f"this machine, {world} one-thread rank(s)", rates, adamw, world, link,
                       link.bandwidth, link.latency, pm.Link(float("inf"), 0.0), intra_by_kind=by_kind,
                       stage3_own=_stage3_own(cal, at, collectives_local=world == 1))
+
+
+def fair_share(cal: dict, world: int) -> tuple[dict, float]:
+    """The compute rates and the optimizer step rate measured with ``world`` one-thread ranks at once,
+    each at most ``cores / world`` of the same rate measured with one rank (where the calibration
+    has the machine's core count and one rank's rates): ranks that outnumber the cores share them."""
+    rates, adamw = cal["rates"][world], cal["adamw"][world]
+    cores, lone = cal.get("cores"), cal["rates"].get(1)
+    if not cores or world <= cores or lone is None:
+        return rates, adamw
+    share = cores / world
+    held = {name: {point: min(value, share * lone[name].get(point, math.inf)) for point, value in points.items()}
+            for name, points in rates.items()}
+    return held, min(adamw, share * cal["adamw"].get(1, math.inf))
 
 
 def _stage3_own(cal: dict, at: int, collectives_local: bool) -> tuple[float, float]:

@@ -168,7 +168,11 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
         "whole step: the slowest rank's) against the model's prediction "
         "(with the run's own collective counts). The compute and step rates of a p-rank run are those "
         "measured with p ranks computing at once, averaged over them (above two, the ranks share the two "
-        "cores).", "",
+        f"cores), each held to at most {meta['hardware']['cores']}/p of the rate one rank measures alone "
+        "(`calibrate.fair_share`: p ranks on those cores cannot each sustain more; a short measurement's "
+        "window can overlap the other "
+        "ranks' idle moments at its barriers and read above it, as 3 ranks' short ones did, 2.4 cores in all; "
+        "`calibration_rates.csv` has the rates as measured).", "",
         f"**{int(within.sum())} of {len(checks)} predictions within 15%** (whole steps: "
         f"{int(((totals.ratio - 1).abs() <= 0.15).sum())} of {len(totals)}); median error "
         f"{median_error:.1%}. `spread` is (slowest - fastest) / median of the timed steps: "

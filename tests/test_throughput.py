@@ -258,6 +258,22 @@ def test_cpu_cluster_from_a_calibration():
     assert p_alone.terms["forward"] == pytest.approx(p.terms["forward"] / 2)
 
 
+def test_more_ranks_than_cores_are_held_to_their_share_of_a_lone_rank():
+    """Three one-thread ranks on two cores: a rate measured above 2/3 of one rank's (a measurement
+    window that overlapped the others' idle moments) is held to 2/3; below it, kept; with as many
+    cores as ranks, or no lone rank measured, nothing is held."""
+    lone = {name: {(128, 64): 3e9, (256, 64): 6e9} for name in
+            ("block_forward", "block_backward", "head_forward", "head_backward")}
+    three = {name: {(128, 64): 2.4e9, (256, 64): 3e9} for name in lone}
+    cal = {"cores": 2, "rates": {1: lone, 3: three}, "adamw": {1: 3e8, 3: 2.5e8}, "links": {}}
+    rates, adamw = calibrate.fair_share(cal, 3)
+    assert rates["block_forward"] == {(128, 64): pytest.approx(2e9), (256, 64): 3e9} and adamw == pytest.approx(2e8)
+    assert calibrate.fair_share({**cal, "cores": 4}, 3) == (three, 2.5e8)
+    assert calibrate.fair_share({**cal, "rates": {3: three}}, 3) == (three, 2.5e8)
+    cluster = calibrate.cpu_cluster(cal, 3, smooth=False)
+    assert cluster.rates["head_backward"](128, 64) == pytest.approx(2e9) and cluster.adamw_rate == pytest.approx(2e8)
+
+
 def test_stage3_own_work_is_a_term_of_stage3_per_element_of_a_gather_pass():
     """Stage 3's own seconds per element apply to the elements of one gather pass (half the step's
     all-gathers), in forward and in backward, at stage 3 only; over several ranks the local copies
