@@ -21,8 +21,13 @@ a retry costs; a retry's cost would need a GPU to measure.
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import pandas as pd
+from tqdm import tqdm
 
 from experiments.fragmentation_trace import TraceCase, trace_steps
 from experiments.max_model_size import Assumptions, Case, per_gpu_bytes
@@ -118,11 +123,28 @@ def memory_pressure(run: dict) -> dict:
                      checkpoints)
 
 
-def projections(trace_memory: bool = True) -> pd.DataFrame:
+def pressures(runs: list[dict], workers: int | None = None, quiet: bool = False) -> list[dict]:
+    """``memory_pressure`` of every run, ``workers`` processes at a time (default: up to two), in
+    input order; runs of one configuration are traced once."""
+    keys = [(r["layers"], r["hidden"], r["heads"], *system_of(r), r["dp"], r["mp"], r["batch_per_gpu"]) for r in runs]
+    first = {key: run for key, run in zip(keys, runs)}
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers or min(2, os.cpu_count() or 1), mp_context=context) as pool:
+        futures = {key: pool.submit(memory_pressure, run) for key, run in first.items()}
+        for future in tqdm(futures.values(), desc="memory pressure traces", disable=quiet, file=sys.stderr):
+            future.result()
+    return [futures[key].result() for key in keys]
+
+
+def projections(trace_memory: bool = True, quiet: bool = False) -> pd.DataFrame:
     """One row per paper run: the model's TFLOPS per GPU beside the paper's, the terms, memory and
-    (``trace_memory``: about 10 minutes) the memory-pressure term measured on the run's trace."""
+    (``trace_memory``: about 6 minutes on two cores) the memory-pressure term measured on the run's
+    trace."""
+    runs = paper_runs()
+    untraced = {"trace_reserved_gb": None, "alloc_retries_per_step": None}
+    pressure = pressures(runs, quiet=quiet) if trace_memory else [untraced] * len(runs)
     rows = []
-    for run in paper_runs():
+    for run, measured in zip(runs, pressure):
         p = predict_run(run)
         paper = run["paper_tflops_per_gpu"]
         limited = COMPUTE_LIMITED.get(run["figure"], lambda r: False)(run)
@@ -132,9 +154,7 @@ def projections(trace_memory: bool = True) -> pd.DataFrame:
                      "error_pct": 100 * (p.tflops / paper - 1) if paper else None,
                      "goal_pct": (15 if limited else 30) if paper else None,
                      "step_s": p.seconds, **{f"{k}_s": v for k, v in p.terms.items()},
-                     "memory_gb": memory_gb(run), "largest_batch_32gb": largest_batch(run),
-                     **(memory_pressure(run) if trace_memory else
-                        {"trace_reserved_gb": None, "alloc_retries_per_step": None})})
+                     "memory_gb": memory_gb(run), "largest_batch_32gb": largest_batch(run), **measured})
     frame = pd.DataFrame(rows)
     frame["within_goal"] = frame.error_pct.abs() <= frame.goal_pct
     return frame

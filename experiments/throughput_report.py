@@ -329,7 +329,7 @@ def _pressure_summary(frame: pd.DataFrame) -> dict:
     flushing = frame[frame.alloc_retries_per_step > 0]
     fits = frame[frame.alloc_retries_per_step.notna()]
     headline = (f"{len(flushing)} of {len(fits)} runs that fit flush the allocator's cache in a steady step"
-                + (f", {len(oom)} do not fit" if len(oom) else ""))
+                + (f", {len(oom)} {'does' if len(oom) == 1 else 'do'} not fit" if len(oom) else ""))
     text = (f"{headline}; the steady steps reserve {fits.trace_reserved_gb.min():.1f}-"
             f"{fits.trace_reserved_gb.max():.1f} GB of {paper_projection.ALLOCATOR_BYTES / 1e9:.1f}.")
     if len(flushing):
@@ -346,7 +346,7 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     study = throughput_study.run(out, quick)
-    frame = paper_projection.projections(trace_memory=not quick)
+    frame = paper_projection.projections(trace_memory=not quick, quiet=quiet)
     frame.to_csv(out / "paper_projection.csv", index=False)
     fig3 = paper_projection.superlinear_mechanism(frame)
     fig3.to_csv(out / "fig3_mechanism.csv", index=False)
