@@ -22,6 +22,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from experiments import markdown, paper_projection, throughput_study  # noqa: E402
+from experiments.paper_values import paper_runs  # noqa: E402
 from experiments.provenance import ROOT, provenance  # noqa: E402
 from zero_ref import memory_model as mm  # noqa: E402
 from zero_ref import perf_model as pm  # noqa: E402
@@ -336,8 +337,12 @@ def _pressure_summary(frame: pd.DataFrame) -> dict:
         text += " Flushing: " + ", ".join(f"{label(r)} {r.alloc_retries_per_step:.0f} a step"
                                           for r in flushing.itertuples()) + "."
     if len(oom):
-        text += (" Not fitting: " + ", ".join(f"{label(r)}, {r.trace_reserved_gb:.1f} GB" for r in oom.itertuples())
-                 + " (the paper ran it, so its run held less than our engine does at that batch).")
+        notes = {(r["figure"], r["label"], r["system"], r["zero_config"]): r["note"] for r in paper_runs()}
+        text += (" Not fitting: " + "; ".join(
+            f"{label(r)}, {r.trace_reserved_gb:.1f} GB (runs.csv: {notes.get((r.figure, r.label, r.system, r.config)) or 'no note'})"
+            for r in oom.itertuples())
+            + ": the paper ran it, so either its run held less than our engine does at that batch or the batch is "
+            "not the one it ran.")
     return {"headline": headline, "text": text}
 
 

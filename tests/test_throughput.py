@@ -226,7 +226,8 @@ def test_memory_pressure_is_measured_on_the_runs_own_trace(monkeypatch):
                           for r, gb in ((0, 20.0), (3, 31.0), (None, 40.0))])
     summary = _pressure_summary(frame)
     assert summary["headline"] == "1 of 2 runs that fit flush the allocator's cache in a steady step, 1 does not fit"
-    assert "tiny ZeRO (batch 2) 3 a step" in summary["text"] and "tiny ZeRO (batch 2), 40.0 GB" in summary["text"]
+    assert "tiny ZeRO (batch 2) 3 a step" in summary["text"] and "tiny ZeRO (batch 2), 40.0 GB (runs.csv: no note)" \
+        in summary["text"]
     assert _pressure_summary(frame.assign(alloc_retries_per_step=None, trace_reserved_gb=None))["headline"] \
         == "not traced (--quick)"
     missed = frame.assign(error_pct=[-40.0, 35.0, 50.0])
