@@ -85,6 +85,8 @@ def not_reproduced(out: Path, sections) -> list[dict]:
     activations = _rows(sections, "activations")
     missed = [r["item"] for r in activations if "not reproduced" in str(r["error"])]
     gpu = _gpu_studies(out)
+    meta = out / "throughput" / "meta.json"
+    cores = json.loads(meta.read_text()).get("hardware", {}).get("cores", "the") if meta.exists() else "the"
     gpu_model = _find(_rows(sections, "gpu"), "performance model against the timed GPU runs")
     frag = _chosen_fragmentation()
     t2 = paper_values.TABLE2_MEASURED_B
@@ -107,7 +109,8 @@ def not_reproduced(out: Path, sections) -> list[dict]:
          "instead": "; ".join(x for x in (
              f"the model projects {fig3['ours']} at 128 vs 64 GPUs (paper {fig3['paper']})" if fig3 else "",
              f"our scale: {ours_scale['ours']} ({ours_scale['error']})" if ours_scale else "") if x) or "nothing",
-         "why": "the effect needs memory-bound batches on a cluster; at world 1-4 on CPU it does not appear"},
+         "why": f"on a cluster every rank has its own GPU; here up to 4 ranks share {cores} CPU cores, which costs "
+                "more than the larger batch per rank gains (measured apart: results/throughput/REPORT.md, section 2)"},
         {"artifact": "Fig 5 / Sec 10.6: Turing-NLG",
          "paper": f"{_paper('Turing-NLG size')}, perplexity {paper_values.headline('Turing-NLG perplexity (paper says Webtext-103)')['value']} "
                   f"after {_paper('Turing-NLG training length shown')}, {_paper('Turing-NLG sustained throughput')}",
