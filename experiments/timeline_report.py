@@ -220,7 +220,7 @@ def report(found: list[dict], meta: dict, out: Path) -> str:
     lines += ["", "Elements moved: the engine's ledger, counted as the paper counts (an all-reduce of n moves 2n); "
               f"beyond 2Ψ/3Ψ it holds the step's statistics all-reduce of {', '.join(map(str, sorted(stats)))} "
               "elements (engine.step: sum of squares, non-finite flag, which parameters got a gradient, the "
-              "hyper-parameters' agreement fingerprint, whether the parameters were written from outside the "
+              "hyper-parameters' agreement fingerprint and how many backwards raised, whether the parameters were written from outside the "
               "engine, how many parameters left the engine's buffers).", ""]
     for f in found:
         n = f["stage"]

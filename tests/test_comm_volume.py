@@ -9,7 +9,7 @@ from awkward import AwkwardNet, global_batches, loss_fn
 from scenarios import cfg, local
 from zero_ref.collective_count import CountCollectives
 from zero_ref.launch import spawn
-from zero_ref.param_groups import FINGERPRINT_PARTS
+from zero_ref.param_groups import AGREEMENT_SLOTS
 
 
 def count_steps(rank: int, world: int) -> dict:
@@ -38,9 +38,9 @@ def test_collectives_counted_by_torch_match_the_ledger_and_the_paper(world):
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
     tensors = sum(1 for p in model.parameters() if p.requires_grad)
     # the step's all-reduce of [sum of squares, flag, used per parameter, the hyper-parameters'
-    # agreement fingerprint: an invalid count and FINGERPRINT_PARTS numbers and their squares,
-    # whether the parameters were written from outside, how many left the engine's buffers]
-    statistics = 2 * (2 + tensors + 1 + 2 * FINGERPRINT_PARTS + 1 + 1)
+    # agreement fingerprint and the count of backwards that raised (AGREEMENT_SLOTS), whether the
+    # parameters were written from outside, how many left the engine's buffers]
+    statistics = 2 * (2 + tensors + AGREEMENT_SLOTS + 1 + 1)
     buffers = model.gain.numel()     # broadcast_buffers: rank 0's float buffers before each forward
     for rank_out in spawn(count_steps, world, timeout=300):
         for stage in range(4):

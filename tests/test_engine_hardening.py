@@ -429,3 +429,45 @@ def test_odd_shapes_and_repeated_forwards_match_adamw():
             assert out["plain", stage]["empty"].shape == (0,) and out["plain", stage]["gain"].shape == ()
             assert state_error(out["plain", stage], plain) < ATOL, (rank, stage)
             assert state_error(out["twice", stage], twice) < ATOL, (rank, stage)
+
+
+def _one_rank_skips_a_failed_batch(rank: int, world: int) -> dict:
+    """Rank 1's backward raises at the second batch (before any reduction); it discards it with
+    zero_grad and goes on to the next batch while the others step: what a training loop that skips
+    a batch on an error (an OOM) does when the error is one rank's alone."""
+    import zero_ref
+
+    batches = token_batches(3, BATCH)
+    out = {}
+    for stage in range(3):
+        with zero_ref.initialize(Layered(layers=3), cfg(stage)) as engine:
+            errors = []
+            for i, tokens in enumerate(batches):
+                part = local(tokens, rank, world)
+                logits = engine(part)
+                if rank == 1 and i == 1:
+                    logits.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("out of memory")))
+                try:
+                    engine.backward(lm_loss(logits, part))
+                except RuntimeError:
+                    engine.zero_grad()
+                    continue
+                if i == 0:
+                    engine.step()
+                    first = engine.full_state_dict()
+                    continue
+                try:
+                    engine.step()
+                except (RuntimeError, ValueError) as err:
+                    errors.append(str(err))
+                    break
+            out[stage] = errors, _equal(first, engine.full_state_dict())
+    return out
+
+
+def test_a_batch_skipped_on_one_rank_only_stops_the_next_step_on_every_rank():
+    for rank, result in enumerate(spawn(_one_rank_skips_a_failed_batch, 3)):
+        for stage, (errors, unchanged) in result.items():
+            assert len(errors) == 1 and "a backward raised on some ranks since the last step" in errors[0], \
+                (rank, stage, errors)
+            assert unchanged, (rank, stage)          # nothing was updated anywhere

@@ -40,6 +40,11 @@ compute and communication waits (experiments/throughput.py).
   returns False, so calling it twice never updates twice.
 * Several backwards before a step accumulate, at every stage alike: the update uses the sum of
   their gradients, as torch's optimizers do.
+* A backward that raises is counted; the next step compares the counts over the ranks and, where
+  some ranks had one and the others not (one rank skipped or retried a batch alone, so the ranks'
+  micro-batches no longer line up), raises on every rank before anything is updated. Stages 0-2
+  only when the failed backward had issued no reduction yet; otherwise (and at stage 3, which
+  gathers in backward) the ranks' collectives no longer pair up and the backend fails them.
 * A bare `loss.backward()` reaches the engine's gradient hooks outside `engine.backward` and
   raises RuntimeError there (it would skip the loss scale and the reductions); the engine then
   refuses to step until `engine.zero_grad()` discards the gradients accumulated since the last step.
@@ -201,6 +206,7 @@ class ZeroEngine:
         self.micro_step = 0   # backwards since the last step
         self.global_step = 0
         self._skipped_steps = 0
+        self._backwards_raised = 0   # since the last step: every rank must have seen as many (step)
         for param in params:
             param.zero_ref_engine = weakref.ref(self)   # _check_not_taken: one open engine per model
         self.stage.note_param_writes()
@@ -255,6 +261,7 @@ class ZeroEngine:
                     (loss * (self.scaler.scale / self.config.grad_accum_steps)).backward()
                 stage.end_backward(boundary)
         except BaseException as err:   # some gradients may be in, some reductions not: refuse to step
+            self._backwards_raised += 1
             stage.polluted = stage.polluted or (
                 f"engine.backward raised {type(err).__name__}: the gradients since the last step are "
                 "incomplete; engine.zero_grad() discards them")
@@ -279,14 +286,17 @@ class ZeroEngine:
         except ValueError as err:   # raised below on every rank alike, after the statistics
             hyper, hyper_error = None, err
         # [sum of squares, non-finite flag, one 0/1 per parameter: did it get a gradient?, the
-        # hyper-parameters' agreement fingerprint, were the parameters written from outside (1/0),
+        # hyper-parameters' agreement fingerprint and the backwards that raised since the last step,
+        # were the parameters written from outside (1/0),
         # how many parameters left the stage's buffers],
         # summed over the ranks in one small all-reduce (gradients replicated on every rank, stage
         # 0: only rank 0's sum of squares and flag enter the sum; the first two and the last over
         # the MP ranks too), then read on the host: the step's one sync.
         detached = stage.detached()
         unfrozen = [p for p in self.frozen if p.requires_grad]   # trainable now, but never sharded
-        extra = [*agreement_stats(hyper), float(stage.params_written()), float(len(detached) + len(unfrozen))]
+        raised, self._backwards_raised = self._backwards_raised, 0
+        extra = [*agreement_stats(hyper, raised), float(stage.params_written()),
+                 float(len(detached) + len(unfrozen))]
         stats = torch.cat([self.grad_stats.local(grads), stage.used_mask(extra)])
         self.grad_stats.sum(stats, mp_slots=[0, 1, -1])
         # meta tensors (the engine at scale, at_scale.py) have no values: step as if every gradient

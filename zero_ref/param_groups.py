@@ -23,7 +23,8 @@ Every rank must hold the same values, or the shards of one model would take diff
 `engine.step()` checks it without a collective of its own: each rank adds a fingerprint of its
 values (`agreement_stats`) to the step's one statistics all-reduce, and every rank reads the same
 sums, so all raise together, before anything changes, when the values differ (a scheduler stepped
-on some ranks only) or are invalid somewhere.
+on some ranks only) or are invalid somewhere. The same slots carry how many backwards raised on the
+rank since the last step, which must agree too (engine.py).
 """
 
 from __future__ import annotations
@@ -145,29 +146,43 @@ class ZeroOptimizer(torch.optim.Optimizer):
         raise RuntimeError("the optimizer state is sharded across the ranks: restore it with engine.load_checkpoint")
 
 
-FINGERPRINT_PARTS = 5
-"""A hash of the hyper-parameters cut into 5 four-bit numbers h: two different sets of values pass
-for equal with probability 2**-20. Sums of h and h*h over up to 74,565 ranks stay below 2**24, so
+FINGERPRINT_PARTS = 4
+"""A hash of the hyper-parameters cut into 4 four-bit numbers h: two different sets of values pass
+for equal with probability 2**-16. Sums of h and h*h over up to 74,565 ranks stay below 2**24, so
 they are exact in the fp32 statistics whatever the order of summation."""
 
+AGREEMENT_SLOTS = 1 + 2 * (FINGERPRINT_PARTS + 1)
+"""[invalid, h_1..h_4, f, h_1**2..h_4**2, f**2]: f counts (modulo 16) this rank's backwards that
+raised since the last step."""
 
-def agreement_stats(hyper: list[tuple] | None) -> list[float]:
-    """[invalid, h_1..h_5, h_1**2..h_5**2] for one rank's hyper-parameters (None: invalid here)."""
+
+def agreement_stats(hyper: list[tuple] | None, backwards_raised: int = 0) -> list[float]:
+    """[invalid, h_1..h_4, f, h_1**2..h_4**2, f**2] for one rank's hyper-parameters (None: invalid
+    here) and the number of its backwards that raised since the last step (f, modulo 16)."""
+    failed = float(backwards_raised % 16)
     if hyper is None:
-        return [1.0] + [0.0] * (2 * FINGERPRINT_PARTS)
+        return [1.0, *[0.0] * FINGERPRINT_PARTS, failed, *[0.0] * FINGERPRINT_PARTS, failed * failed]
     values = [v for group in hyper for v in group]
     digest = zlib.crc32(struct.pack(f"<{len(values)}d", *values))
-    parts = [float((digest >> (4 * i)) & 15) for i in range(FINGERPRINT_PARTS)]
+    parts = [float((digest >> (4 * i)) & 15) for i in range(FINGERPRINT_PARTS)] + [failed]
     return [0.0, *parts, *(h * h for h in parts)]
 
 
 def agreement(summed: list[float], world_size: int) -> str | None:
-    """None when every rank held valid and equal values, else what was wrong. By Cauchy-Schwarz,
-    Nd * sum(h**2) == sum(h)**2 exactly when every rank's h is the same."""
-    invalid, parts, squares = summed[0], summed[1:1 + FINGERPRINT_PARTS], summed[1 + FINGERPRINT_PARTS:]
+    """None when every rank held valid and equal values and saw as many backwards raise, else what
+    was wrong. By Cauchy-Schwarz, Nd * sum(h**2) == sum(h)**2 exactly when every rank's h is the same."""
+    invalid, parts, squares = summed[0], summed[1:2 + FINGERPRINT_PARTS], summed[2 + FINGERPRINT_PARTS:]
+    same = [world_size > 74_565 or world_size * round(q) == round(h) ** 2 for h, q in zip(parts, squares)]
+    if not same[-1]:
+        return ("a backward raised on some ranks since the last step and not on the others (engine.backward "
+                "raised and engine.zero_grad discarded its gradients there): the ranks' micro-batches no longer "
+                "line up (a rank skipped or retried a batch that the others did not), so this step would average "
+                "gradients of different batches; nothing was updated. A failure must be every rank's: restart "
+                "from the last checkpoint, or agree on it across the ranks (all-reduce a flag) before skipping "
+                "or retrying a batch")
     if invalid:
         return f"{int(invalid)} of {world_size} ranks hold invalid hyper-parameters in engine.optimizer.param_groups"
-    if world_size > 74_565 or all(world_size * round(q) == round(h) ** 2 for h, q in zip(parts, squares)):
+    if all(same):
         return None
     return ("the ranks hold different hyper-parameters in engine.optimizer.param_groups (a learning-rate "
             "scheduler or a manual change applied on some ranks only?): every rank must set the same values")
