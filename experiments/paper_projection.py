@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 from experiments.fragmentation_trace import TraceCase, trace_steps
 from experiments.max_model_size import Assumptions, Case, per_gpu_bytes
-from zero_ref import caching_allocator
 from experiments.paper_values import paper_runs
+from zero_ref import caching_allocator
 from zero_ref import perf_model as pm
 from zero_ref.at_scale import ModelShape
 
@@ -97,7 +97,13 @@ ALLOCATOR_BYTES = int(Assumptions().device_bytes - Assumptions().context_bytes)
 the libraries' workspaces (the memory study's 1 GB)."""
 
 
-@functools.cache
+def _pressure_case(run: dict) -> tuple:
+    """What a run's memory pressure depends on: (layers, hidden, heads, stage, Nd, Nm, batch, checkpoints)."""
+    stage, checkpoints = system_of(run)
+    return (run["layers"], run["hidden"], run["heads"], stage, run["dp"], run["mp"], run["batch_per_gpu"],
+            checkpoints)
+
+
 def _pressure(layers: int, hidden: int, heads: int, stage: int, nd: int, nm: int, batch: int,
               checkpoints: str) -> dict:
     case = TraceCase(ModelShape(layers, hidden, heads), stage, nd, nm, batch, checkpoints, md=stage > 0)
@@ -118,22 +124,19 @@ def memory_pressure(run: dict) -> dict:
     holding ``ALLOCATOR_BYTES`` from the first step on. ``trace_reserved_gb``: what the second
     (steady) step reserves with no limit; ``alloc_retries_per_step``: its requests that found the
     device full and flushed the cache to retry (None: the steps do not fit at all)."""
-    stage, checkpoints = system_of(run)
-    return _pressure(run["layers"], run["hidden"], run["heads"], stage, run["dp"], run["mp"], run["batch_per_gpu"],
-                     checkpoints)
+    return _pressure(*_pressure_case(run))
 
 
 def pressures(runs: list[dict], workers: int | None = None, quiet: bool = False) -> list[dict]:
     """``memory_pressure`` of every run, ``workers`` processes at a time (default: up to two), in
     input order; runs of one configuration are traced once."""
-    keys = [(r["layers"], r["hidden"], r["heads"], *system_of(r), r["dp"], r["mp"], r["batch_per_gpu"]) for r in runs]
-    first = {key: run for key, run in zip(keys, runs)}
+    cases = [_pressure_case(run) for run in runs]
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers or min(2, os.cpu_count() or 1), mp_context=context) as pool:
-        futures = {key: pool.submit(memory_pressure, run) for key, run in first.items()}
+        futures = {case: pool.submit(_pressure, *case) for case in dict.fromkeys(cases)}
         for future in tqdm(futures.values(), desc="memory pressure traces", disable=quiet, file=sys.stderr):
             future.result()
-    return [futures[key].result() for key in keys]
+    return [futures[case].result() for case in cases]
 
 
 def projections(trace_memory: bool = True, quiet: bool = False) -> pd.DataFrame:

@@ -219,9 +219,7 @@ def test_memory_pressure_is_measured_on_the_runs_own_trace(monkeypatch):
     roomy = paper_projection.memory_pressure(run)
     assert roomy["alloc_retries_per_step"] == 0 and 0 < roomy["trace_reserved_gb"] < 3   # logits: vocab 50257
     monkeypatch.setattr(paper_projection, "ALLOCATOR_BYTES", 2**20)
-    paper_projection._pressure.cache_clear()
     assert paper_projection.memory_pressure(run)["alloc_retries_per_step"] is None
-    paper_projection._pressure.cache_clear()
     frame = pd.DataFrame([{**run, "config": "", "alloc_retries_per_step": r, "trace_reserved_gb": gb}
                           for r, gb in ((0, 20.0), (3, 31.0), (None, 40.0))])
     summary = _pressure_summary(frame)
