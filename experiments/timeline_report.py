@@ -220,8 +220,9 @@ def report(found: list[dict], meta: dict, out: Path) -> str:
     lines += ["", "Elements moved: the engine's ledger, counted as the paper counts (an all-reduce of n moves 2n); "
               f"beyond 2Ψ/3Ψ it holds the step's statistics all-reduce of {', '.join(map(str, sorted(stats)))} "
               "elements (engine.step: sum of squares, non-finite flag, which parameters got a gradient, the "
-              "hyper-parameters' agreement fingerprint and how many backwards raised, whether the parameters were written from outside the "
-              "engine, how many parameters left the engine's buffers).", ""]
+              "hyper-parameters' agreement fingerprint and the micro-batch at which a backward raised, whether "
+              "the parameters were written from outside the engine, how many parameters left the engine's "
+              "buffers).", ""]
     for f in found:
         n = f["stage"]
         lines += [f"## Stage {n} ({STAGE_NAMES[n]})", "", f"![stage {n}](timeline_stage{n}.png)", "",

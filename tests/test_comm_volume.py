@@ -38,7 +38,7 @@ def test_collectives_counted_by_torch_match_the_ledger_and_the_paper(world):
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
     tensors = sum(1 for p in model.parameters() if p.requires_grad)
     # the step's all-reduce of [sum of squares, flag, used per parameter, the hyper-parameters'
-    # agreement fingerprint and the count of backwards that raised (AGREEMENT_SLOTS), whether the
+    # agreement fingerprint and the micro-batch at which a backward raised (AGREEMENT_SLOTS), whether the
     # parameters were written from outside, how many left the engine's buffers]
     statistics = 2 * (2 + tensors + AGREEMENT_SLOTS + 1 + 1)
     buffers = model.gain.numel()     # broadcast_buffers: rank 0's float buffers before each forward

@@ -320,7 +320,8 @@ class _RaiseInBackward(torch.autograd.Function):
 class _FailsMidBackward(Layered):
     """Layered run backwards (so the first backward's arrival order makes stages 0-2 repack their
     buckets), but with `fail` set its backward raises after the last four layers' gradients are in:
-    some buckets reduced, some in flight, one partly filled, the arrival order half learned."""
+    some buckets reduced, some in flight, one partly filled, the arrival order half learned (with
+    `fail="forward"` its forward raises half-way)."""
 
     def __init__(self):
         super().__init__(reverse=True)
@@ -329,20 +330,22 @@ class _FailsMidBackward(Layered):
     def forward(self, tokens):
         x = self.embed(tokens)
         for k, layer in enumerate(reversed(self.layers)):
+            if k == 4 and self.fail == "forward":
+                raise RuntimeError("injected failure in forward")
             if k == 4 and self.fail:
                 x = _RaiseInBackward.apply(x)
             x = x + torch.tanh(layer(x))
         return self.head(x)
 
 
-def _retried_after_failed_backward(rank, world_size, fail_at):
+def _retried_after_failed_backward(rank, world_size, fail_at, accum):
     import zero_ref
 
     batches = token_batches(3, BATCH)
     out = {}
     for stage in STAGES:
         model = _FailsMidBackward()
-        with zero_ref.initialize(model, cfg(stage)) as engine:
+        with zero_ref.initialize(model, cfg(stage, grad_accum_steps=accum)) as engine:
             for step, tokens in enumerate(batches):
                 part = local(tokens, rank, world_size)
                 if step in fail_at:
@@ -355,11 +358,12 @@ def _retried_after_failed_backward(rank, world_size, fail_at):
                         raise AssertionError("the injected failure did not raise")
                     model.fail = False
                     engine.zero_grad()
-                engine.backward(lm_loss(engine(part), part))
+                for _ in range(accum):
+                    engine.backward(lm_loss(engine(part), part))
                 engine.step()
             out[stage] = engine.full_state_dict(), _model_state_bytes(engine)
-        with zero_ref.initialize(_FailsMidBackward(), cfg(stage)) as engine:   # never fails
-            train(engine, batches, rank, world_size)
+        with zero_ref.initialize(_FailsMidBackward(), cfg(stage, grad_accum_steps=accum)) as engine:   # never fails
+            train(engine, batches, rank, world_size, backwards_per_step=accum)
             out["unfailed", stage] = _model_state_bytes(engine)
     return out
 
@@ -368,14 +372,17 @@ def _model_state_bytes(engine) -> dict:
     return {k: v for k, v in engine.memory_report().items() if k in ("params", "grads", "optimizer_states")}
 
 
-@pytest.mark.parametrize("fail_at", [(0,), (1, 2)], ids=["first backward", "later backwards"])
-def test_a_backward_that_raises_then_zero_grad_then_retry_is_exact(fail_at):
+@pytest.mark.parametrize("fail_at, accum", [((0,), 1), ((1, 2), 1), ((1,), 2)],
+                         ids=["first backward", "later backwards", "first micro-batch of 2"])
+def test_a_backward_that_raises_then_zero_grad_then_retry_is_exact(fail_at, accum):
     """A backward that raises on every rank part-way (buckets reduced, in flight and half filled;
-    on the first backward, the arrival order half learned), then engine.zero_grad() and the same
-    micro-batch again: the same numbers as if the failure never happened, at every stage, and the
-    same layout (a half-learned bucket order must not lay a parameter out twice)."""
-    ref = reference(_FailsMidBackward, token_batches(3, BATCH), 3)
-    for rank_out in spawn(_retried_after_failed_backward, 3, fail_at):
+    on the first backward, the arrival order half learned; with accumulation, before the step's
+    last micro-batch, whose collectives every rank then issues in place of it), then
+    engine.zero_grad() and the same micro-batch again: the same numbers as if the failure never
+    happened, at every stage, and the same layout (a half-learned bucket order must not lay a
+    parameter out twice)."""
+    ref = reference(_FailsMidBackward, token_batches(3, BATCH), 3, backwards_per_step=accum)
+    for rank_out in spawn(_retried_after_failed_backward, 3, fail_at, accum):
         for stage in STAGES:
             state, state_bytes = rank_out[stage]
             assert state_error(state, ref) < ATOL, stage
@@ -431,43 +438,101 @@ def test_odd_shapes_and_repeated_forwards_match_adamw():
             assert state_error(out["twice", stage], twice) < ATOL, (rank, stage)
 
 
-def _one_rank_skips_a_failed_batch(rank: int, world: int) -> dict:
-    """Rank 1's backward raises at the second batch (before any reduction); it discards it with
-    zero_grad and goes on to the next batch while the others step: what a training loop that skips
-    a batch on an error (an OOM) does when the error is one rank's alone."""
+ONE_RANK_FAILS = {   # name: (where its backward raises, grad_accum_steps, step, micro-batch of that step)
+    "at the loss, step 1": ("loss", 1, 1, 0),
+    "mid-backward, first backward": ("mid", 1, 0, 0),
+    "mid-backward, first micro-batch of 2": ("mid", 2, 1, 0),
+    "at the loss, last micro-batch of 2": ("loss", 2, 1, 1),
+}
+
+
+def _one_rank_fails(rank: int, world: int) -> dict:
+    """Rank 1's backward raises, the others' do not: at the loss (before any reduction, as an OOM
+    there would) or part-way (some buckets reduced, stage 3 half gathered), on the first backward
+    or at either micro-batch of an accumulated step. Every rank's training loop catches what the
+    engine raises, discards the step with zero_grad and goes on with the next batch."""
+    import zero_ref
+
+    batches = token_batches(4, BATCH)
+    out = {}
+    for name, (where, accum, fail_step, fail_micro) in ONE_RANK_FAILS.items():
+        for stage in STAGES:
+            model = _FailsMidBackward()
+            with zero_ref.initialize(model, cfg(stage, grad_accum_steps=accum, comm_timeout_s=60)) as engine:
+                errors = []
+                for step, tokens in enumerate(batches):
+                    part = local(tokens, rank, world)
+                    try:
+                        for micro in range(accum):
+                            fails = rank == 1 and (step, micro) == (fail_step, fail_micro)
+                            model.fail = fails and where == "mid"
+                            logits = engine(part)
+                            if fails and where == "loss":
+                                logits.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("out of memory")))
+                            engine.backward(lm_loss(logits, part))
+                        engine.step()
+                    except ValueError as err:
+                        errors.append((step, type(err.__cause__).__name__, str(err)))
+                        engine.zero_grad()
+                out[name, stage] = errors, engine.full_state_dict()
+    return out
+
+
+def test_a_backward_that_raises_on_one_rank_only_raises_on_every_rank_and_the_next_steps_are_exact():
+    """The failing rank issues the collectives the others issue until the step's statistics (the
+    rest of the backward's, the step's other micro-batches'), so the ranks' collectives keep pairing
+    up: every rank raises ValueError at that step (the failing one from engine.backward, chained to
+    its error; the others from step), nothing is updated, and after zero_grad on every rank the
+    training goes on exactly as AdamW over the other batches. Before, the failing rank's collectives
+    paired with the wrong ones: gloo aborted on the size mismatch, or a skipped batch paired with
+    the others' next one silently."""
+    batches = token_batches(4, BATCH)
+    for rank, result in enumerate(spawn(_one_rank_fails, 3, timeout=600)):
+        for name, (_, accum, fail_step, _) in ONE_RANK_FAILS.items():
+            kept = [tokens for step, tokens in enumerate(batches) if step != fail_step]
+            ref = reference(_FailsMidBackward, kept, 3, backwards_per_step=accum)
+            for stage in STAGES:
+                errors, state = result[name, stage]
+                assert [(step, cause) for step, cause, _ in errors] == \
+                    [(fail_step, "RuntimeError" if rank == 1 else "NoneType")], (rank, name, stage, errors)
+                assert "a backward raised on some ranks and not on the others" in errors[0][2]
+                assert state_error(state, ref) < ATOL, (rank, name, stage)
+
+
+def _one_rank_skips_after_its_forward_raised(rank: int, world: int) -> dict:
+    """Rank 1's forward raises at the second batch; its loop skips that batch while the others
+    train on it, so its next batch meets their current one."""
     import zero_ref
 
     batches = token_batches(3, BATCH)
     out = {}
     for stage in range(3):
-        with zero_ref.initialize(Layered(layers=3), cfg(stage)) as engine:
-            errors = []
-            for i, tokens in enumerate(batches):
+        model = _FailsMidBackward()
+        with zero_ref.initialize(model, cfg(stage)) as engine:
+            errors, first = [], None
+            for step, tokens in enumerate(batches):
                 part = local(tokens, rank, world)
-                logits = engine(part)
-                if rank == 1 and i == 1:
-                    logits.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("out of memory")))
+                model.fail = "forward" if (rank, step) == (1, 1) else False
                 try:
-                    engine.backward(lm_loss(logits, part))
-                except RuntimeError:
-                    engine.zero_grad()
-                    continue
-                if i == 0:
+                    engine.backward(lm_loss(engine(part), part))
                     engine.step()
-                    first = engine.full_state_dict()
+                except RuntimeError as err:
+                    assert "injected failure in forward" in str(err), err
                     continue
-                try:
-                    engine.step()
-                except (RuntimeError, ValueError) as err:
-                    errors.append(str(err))
+                except ValueError as err:
+                    errors.append((step, str(err)))
                     break
+                first = first or engine.full_state_dict()
             out[stage] = errors, _equal(first, engine.full_state_dict())
     return out
 
 
-def test_a_batch_skipped_on_one_rank_only_stops_the_next_step_on_every_rank():
-    for rank, result in enumerate(spawn(_one_rank_skips_a_failed_batch, 3)):
+def test_a_batch_skipped_on_one_rank_after_its_forward_raised_stops_the_step_on_every_rank():
+    """Stages 0-2 (stage 3 gathers in forward: see the engine's contract): the skip would pair rank
+    1's batch with the others' previous one silently; the forward's failure rides in the step's
+    statistics, so every rank raises at that step and nothing is updated."""
+    for rank, result in enumerate(spawn(_one_rank_skips_after_its_forward_raised, 3)):
         for stage, (errors, unchanged) in result.items():
-            assert len(errors) == 1 and "a backward raised on some ranks since the last step" in errors[0], \
-                (rank, stage, errors)
-            assert unchanged, (rank, stage)          # nothing was updated anywhere
+            assert [step for step, _ in errors] == [2 if rank == 1 else 1], (rank, stage, errors)
+            assert "or a forward did" in errors[0][1], (rank, stage, errors)
+            assert unchanged, (rank, stage)

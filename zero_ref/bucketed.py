@@ -62,10 +62,10 @@ class BucketedStage(Stage):
         g, i = self.slot[id(param)]
         self._on_grad(g, i, param)
 
-    def end_backward(self, boundary: bool) -> None:
+    def end_backward(self, boundary: bool, failed: bool = False) -> None:
         self._end_backward(boundary)
         if self.arrival_log is not None:
-            self._learn_order()
+            self._learn_order(None if failed else self.arrival_log)
 
     def zero_grads(self) -> None:
         super().zero_grads()
@@ -73,10 +73,16 @@ class BucketedStage(Stage):
             self.arrival_log = []
 
     # --- the bucket order ------------------------------------------------------------------------
-    def _learn_order(self) -> None:
-        """Agree on the first backward's arrival order and repack if a bucket completed out of order."""
-        log, self.arrival_log = self.arrival_log, None
-        agreed = self.comm.all_gather_object(log)[0] if self.world_size > 1 else log
+    def _learn_order(self, log: list[int] | None) -> None:
+        """Agree on the first backward's arrival order, the lowest rank's whose backward completed
+        (`log` None: this rank's raised; if every rank's did, learn from the next backward), and
+        repack if a bucket completed out of order."""
+        logs = self.comm.all_gather_object(log) if self.world_size > 1 else [log]
+        agreed = next((each for each in logs if each is not None), None)
+        if agreed is None:
+            self.arrival_log = []
+            return
+        self.arrival_log = None
         arrived = set(agreed)
         order = [self.trainable[k] for k in agreed] + [p for p in self.order if self.index[id(p)] not in arrived]
         if not self._completes_in_order(agreed):

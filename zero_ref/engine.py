@@ -40,11 +40,17 @@ compute and communication waits (experiments/throughput.py).
   returns False, so calling it twice never updates twice.
 * Several backwards before a step accumulate, at every stage alike: the update uses the sum of
   their gradients, as torch's optimizers do.
-* A backward that raises is counted; the next step compares the counts over the ranks and, where
-  some ranks had one and the others not (one rank skipped or retried a batch alone, so the ranks'
-  micro-batches no longer line up), raises on every rank before anything is updated. Stages 0-2
-  only when the failed backward had issued no reduction yet; otherwise (and at stage 3, which
-  gathers in backward) the ranks' collectives no longer pair up and the backend fails them.
+* A backward that raises on this rank may not raise on the others, which go on issuing
+  collectives; so the failing rank issues the same ones before it re-raises: the rest of that
+  backward's, the step's remaining micro-batches' (as backwards in which no gradient arrives), then
+  the step's statistics, which carry the micro-batch at which each rank's backward raised. If that
+  differs over the ranks, every rank raises ValueError (the failing ones from backward, the others
+  from step) before anything is updated, and `zero_grad()` on every rank puts them in step again;
+  if every rank failed at the same micro-batch, the error goes on and a retry is exact. A forward
+  (with gradients enabled) that raised is recorded the same way, but nothing more: a rank that
+  then skips the batch while the others train on it is caught by the step's statistics at stages
+  0-2 (ValueError on every rank, nothing updated; it is a batch ahead of the others); at stage 3
+  its gathers meet the others' backward gathers, and the backend may abort on the mismatch.
 * A bare `loss.backward()` reaches the engine's gradient hooks outside `engine.backward` and
   raises RuntimeError there (it would skip the loss scale and the reductions); the engine then
   refuses to step until `engine.zero_grad()` discards the gradients accumulated since the last step.
@@ -75,10 +81,10 @@ from torch.utils._pytree import tree_map
 
 from . import activations, checkpoint, materialize
 from . import state_dict as state_dict_io
-from .param_groups import ZeroOptimizer, agreement, agreement_stats, build_groups
-from .comm import Comm, CommLedger, label
+from .param_groups import ZeroOptimizer, build_groups
+from .comm import CollectiveError, Comm, CommLedger, label
 from .config import ZeroConfig
-from .grad_stats import GradStats
+from .grad_stats import GradStats, StepStatistics, detached_message
 from .precision import LossScaler
 from .sharded_param import is_freed
 from .stage0 import Stage0
@@ -206,7 +212,7 @@ class ZeroEngine:
         self.micro_step = 0   # backwards since the last step
         self.global_step = 0
         self._skipped_steps = 0
-        self._backwards_raised = 0   # since the last step: every rank must have seen as many (step)
+        self._failed_at = 0   # the micro-batch of this step at which a backward raised (0: none)
         for param in params:
             param.zero_ref_engine = weakref.ref(self)   # _check_not_taken: one open engine per model
         self.stage.note_param_writes()
@@ -227,15 +233,24 @@ class ZeroEngine:
     def __call__(self, *args, **kwargs):
         """The model's forward. Floating-point tensor inputs are cast to the model dtype."""
         self._check_open()
-        if self.config.broadcast_buffers and self.comm.world_size > 1:
-            for buffer in self._float_buffers:
-                self.comm.broadcast(buffer.data, 0)
+        self._broadcast_buffers()
         cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         args, kwargs = tree_map(cast, (args, kwargs))
         with label("zero_ref.forward"), self.stage.forward_context():
-            return self.module(*args, **kwargs)
+            try:
+                return self.module(*args, **kwargs)
+            except BaseException:   # a rank that skips this micro-batch must not pass unnoticed
+                if torch.is_grad_enabled():
+                    self._failed_at = self.micro_step % self.config.grad_accum_steps + 1
+                raise
 
     forward = __call__
+
+    def _broadcast_buffers(self) -> None:
+        """config.broadcast_buffers: every forward starts from rank 0's floating-point buffers."""
+        if self.config.broadcast_buffers and self.comm.world_size > 1:
+            for buffer in self._float_buffers:
+                self.comm.broadcast(buffer.data, 0)
 
     @property
     def at_boundary(self) -> bool:
@@ -261,13 +276,43 @@ class ZeroEngine:
                     (loss * (self.scaler.scale / self.config.grad_accum_steps)).backward()
                 stage.end_backward(boundary)
         except BaseException as err:   # some gradients may be in, some reductions not: refuse to step
-            self._backwards_raised += 1
+            self._failed_at = (self.micro_step - 1) % self.config.grad_accum_steps + 1
             stage.polluted = stage.polluted or (
                 f"engine.backward raised {type(err).__name__}: the gradients since the last step are "
                 "incomplete; engine.zero_grad() discards them")
+            if isinstance(err, Exception) and not isinstance(err, CollectiveError):
+                self._finish_step_after_failure(err)   # raises ValueError if the failure was not every rank's
             raise
         finally:
             stage.in_backward = False
+
+    def _finish_step_after_failure(self, err: Exception) -> None:
+        """This rank's backward raised; the other ranks' may not have, and they go on issuing
+        collectives. Issue the same ones, in the order every rank shares: the rest of this backward's
+        (stage 3's gathers, the reductions of groups not launched yet), those of the step's
+        remaining micro-batches as backwards in which no gradient arrives, then the step's
+        statistics with this failure in them. So the ranks' collectives keep pairing up, and every
+        rank learns whether the failure was everyone's, at the same micro-batch: if so, `err` goes
+        on (engine.zero_grad() and the same micro-batch again is exact); if not, ValueError here and
+        from step() on the others, nothing updated anywhere. If a collective fails on the way (a
+        peer is gone), `err` goes on with a note."""
+        stage = self.stage
+        try:
+            stage.end_backward(self.at_boundary, failed=True)
+            while not self.at_boundary:
+                self.micro_step += 1
+                self._broadcast_buffers()
+                stage.idle_forward()
+                stage.begin_backward(self.at_boundary)
+                stage.end_backward(self.at_boundary, failed=True)
+            summed = self._step_statistics()
+        except CollectiveError as comm_err:
+            err.add_note(f"zero-ref could not keep the other ranks in step after this error: {comm_err}")
+            return
+        if summed.failure_disagrees:
+            first_line = (str(err).splitlines() or [""])[0][:200]
+            raise ValueError(f"engine.backward raised on this rank ({type(err).__name__}: {first_line}); "
+                             f"{summed.failure_disagrees}") from err
 
     @torch.no_grad()
     def step(self) -> bool:
@@ -280,41 +325,16 @@ class ZeroEngine:
             return False
         self.optimizer._opt_called = True   # what torch's lr_schedulers look for: "the optimizer stepped"
         stage, optimizer = self.stage, self.stage.optimizer
-        grads = stage.grad_segments()
-        try:
-            hyper, hyper_error = self.optimizer.hyperparameters(), None
-        except ValueError as err:   # raised below on every rank alike, after the statistics
-            hyper, hyper_error = None, err
-        # [sum of squares, non-finite flag, one 0/1 per parameter: did it get a gradient?, the
-        # hyper-parameters' agreement fingerprint and the backwards that raised since the last step,
-        # were the parameters written from outside (1/0),
-        # how many parameters left the stage's buffers],
-        # summed over the ranks in one small all-reduce (gradients replicated on every rank, stage
-        # 0: only rank 0's sum of squares and flag enter the sum; the first two and the last over
-        # the MP ranks too), then read on the host: the step's one sync.
-        detached = stage.detached()
-        unfrozen = [p for p in self.frozen if p.requires_grad]   # trainable now, but never sharded
-        raised, self._backwards_raised = self._backwards_raised, 0
-        extra = [*agreement_stats(hyper, raised), float(stage.params_written()),
-                 float(len(detached) + len(unfrozen))]
-        stats = torch.cat([self.grad_stats.local(grads), stage.used_mask(extra)])
-        self.grad_stats.sum(stats, mp_slots=[0, 1, -1])
-        # meta tensors (the engine at scale, at_scale.py) have no values: step as if every gradient
-        # were present and finite, so that the update makes its real allocations
-        n_used = len(stats) - 2 - len(extra)
-        if stats.is_meta:
-            if hyper_error:
-                raise hyper_error
-            sum_sq, nonfinite, used = 0.0, 0.0, [1.0] * n_used
-        else:
-            sum_sq, nonfinite, *rest = stats.tolist()
-            used, summed_agree, written, detached_anywhere = rest[:n_used], rest[n_used:-2], rest[-2], rest[-1]
-            if detached_anywhere:
-                raise RuntimeError(self._detached_message(detached, unfrozen))
-            problem = agreement(summed_agree, self._ranks_summed)
-            if problem:
-                raise hyper_error or ValueError(problem)
-            self._adopt_param_writes(written)
+        summed = self._step_statistics()
+        if summed.failure_disagrees:   # first: it is told only once
+            stage.polluted = summed.failure_disagrees   # zero_grad first, as on the ranks whose backward raised
+            raise ValueError(summed.failure_disagrees)
+        if summed.detached_anywhere:
+            raise RuntimeError(detached_message(self.module, self.dtype, summed.detached, summed.unfrozen))
+        if summed.hyper_error or summed.disagreement:
+            raise summed.hyper_error or ValueError(summed.disagreement)
+        self._adopt_param_writes(summed.written)
+        sum_sq, nonfinite, used, grads = summed.sum_sq, summed.nonfinite, summed.used, summed.grads
         if nonfinite:
             return self._skip_step()
         if not math.isfinite(sum_sq):        # finite gradients whose squares overflow fp32
@@ -326,7 +346,7 @@ class ZeroEngine:
             norm = math.sqrt(sum_sq) / self.scaler.scale
             grad_scale *= min(1.0, self.config.grad_clip / (norm + 1e-6))
         with label("zero_ref.optimizer"):
-            optimizer.step(grads, grad_scale, [u > 0 for u in used], self.optimizer.group_of, hyper,
+            optimizer.step(grads, grad_scale, [u > 0 for u in used], self.optimizer.group_of, summed.hyper,
                            stage.segment_updated)
         with label("zero_ref.after_update"):
             stage.after_update()
@@ -335,6 +355,13 @@ class ZeroEngine:
         self.scaler.update(found_overflow=False, step=self.global_step + self._skipped_steps + 1)
         self.global_step += 1
         return True
+
+    def _step_statistics(self) -> StepStatistics:
+        """The step's one statistics all-reduce (grad_stats.py); it carries the micro-batch of this
+        step at which this rank's forward or backward raised, which is then forgotten."""
+        failed_at, self._failed_at = self._failed_at, 0
+        with torch.no_grad():
+            return self.grad_stats.step_statistics(self.optimizer, self.frozen, failed_at, self._ranks_summed)
 
     @property
     def _ranks_summed(self) -> int:
@@ -363,28 +390,6 @@ class ZeroEngine:
                 "was changed; write the same values on every rank (engine.load_state_dict does it for you)")
         if ranks_written:
             self.stage.adopt_param_writes()
-
-    def _detached_message(self, detached: list[nn.Parameter], unfrozen: list[nn.Parameter]) -> str:
-        """Why step refuses, on every rank, when a parameter's .data was replaced on any rank (or a
-        parameter frozen at initialize was made trainable)."""
-        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
-        if unfrozen:
-            which = ", ".join(repr(names.get(id(p), "?")) for p in unfrozen)
-            return (f"parameters frozen at initialize were made trainable after it ({which} on this rank): the "
-                    "engine neither shards nor updates them. Nothing was updated on any rank. "
-                    "Set requires_grad before zero_ref.initialize (build a new engine for a new set of "
-                    "trainable parameters)")
-        here = ", ".join(f"{names.get(id(p), '?')!r} (now {str(p.dtype).removeprefix('torch.')}, storage of its "
-                         "own)" for p in detached)
-        where = f"on this rank: {here}" if here else "on another rank"
-        dtype = str(self.dtype).removeprefix("torch.")
-        return (f"zero-ref's parameters were replaced after initialize, or frozen ones made trainable ({where}): "
-                "something set their .data (Module.to(dtype), .float(), .half(), param.data = ...), so the model "
-                "no longer reads the values the optimizer updates. Nothing was updated on any rank. Keep every "
-                f"trainable parameter in the engine's dtype ({dtype}) and write values with "
-                "engine.load_state_dict(...) instead. Hugging Face's Switch "
-                "Transformers router calls self.classifier.to(router_dtype) in every forward: give it "
-                f"SwitchTransformersConfig(router_dtype='{dtype}').")
 
     def _skip_step(self) -> bool:
         """Non-finite gradients on some rank (the same decision on every rank): change nothing."""

@@ -23,8 +23,8 @@ Every rank must hold the same values, or the shards of one model would take diff
 `engine.step()` checks it without a collective of its own: each rank adds a fingerprint of its
 values (`agreement_stats`) to the step's one statistics all-reduce, and every rank reads the same
 sums, so all raise together, before anything changes, when the values differ (a scheduler stepped
-on some ranks only) or are invalid somewhere. The same slots carry how many backwards raised on the
-rank since the last step, which must agree too (engine.py).
+on some ranks only) or are invalid somewhere. The same slots carry the micro-batch of the step at
+which the rank's backward raised, if one did, which must agree too (engine.py).
 """
 
 from __future__ import annotations
@@ -152,14 +152,14 @@ for equal with probability 2**-16. Sums of h and h*h over up to 74,565 ranks sta
 they are exact in the fp32 statistics whatever the order of summation."""
 
 AGREEMENT_SLOTS = 1 + 2 * (FINGERPRINT_PARTS + 1)
-"""[invalid, h_1..h_4, f, h_1**2..h_4**2, f**2]: f counts (modulo 16) this rank's backwards that
-raised since the last step."""
+"""[invalid, h_1..h_4, f, h_1**2..h_4**2, f**2]: f is the micro-batch of the step (1, 2, ...,
+modulo 16; 0 for none) at which this rank's backward raised."""
 
 
-def agreement_stats(hyper: list[tuple] | None, backwards_raised: int = 0) -> list[float]:
+def agreement_stats(hyper: list[tuple] | None, failed_at: int = 0) -> list[float]:
     """[invalid, h_1..h_4, f, h_1**2..h_4**2, f**2] for one rank's hyper-parameters (None: invalid
-    here) and the number of its backwards that raised since the last step (f, modulo 16)."""
-    failed = float(backwards_raised % 16)
+    here) and the micro-batch of the step at which its backward raised (f, modulo 16; 0: none)."""
+    failed = float(failed_at % 16)
     if hyper is None:
         return [1.0, *[0.0] * FINGERPRINT_PARTS, failed, *[0.0] * FINGERPRINT_PARTS, failed * failed]
     values = [v for group in hyper for v in group]
@@ -168,18 +168,31 @@ def agreement_stats(hyper: list[tuple] | None, backwards_raised: int = 0) -> lis
     return [0.0, *parts, *(h * h for h in parts)]
 
 
+def _same_on_every_rank(summed: list[float], world_size: int) -> list[bool]:
+    """For each part h of `agreement_stats`: was it the same on every rank? By Cauchy-Schwarz,
+    Nd * sum(h**2) == sum(h)**2 exactly when every rank's h is the same."""
+    parts, squares = summed[1:2 + FINGERPRINT_PARTS], summed[2 + FINGERPRINT_PARTS:]
+    return [world_size > 74_565 or world_size * round(q) == round(h) ** 2 for h, q in zip(parts, squares)]
+
+
+FAILURE_DISAGREES = (
+    "a backward raised on some ranks and not on the others (or at another micro-batch of the step), or a "
+    "forward did: the ranks' gradients are not of the same batches, so nothing was updated on any rank. If "
+    "every failure was in engine.backward, engine.zero_grad() on every rank and the next batch put the ranks in "
+    "step again (the failing ranks issued the rest of the step's collectives); a rank that went on after its "
+    "forward raised is a batch ahead of the others: restart from the last checkpoint")
+
+
+def failure_disagreement(summed: list[float], world_size: int) -> str | None:
+    """FAILURE_DISAGREES when the ranks' backwards did not all raise at the same micro-batch of the
+    step (or all not raise), else None."""
+    return None if _same_on_every_rank(summed, world_size)[-1] else FAILURE_DISAGREES
+
+
 def agreement(summed: list[float], world_size: int) -> str | None:
-    """None when every rank held valid and equal values and saw as many backwards raise, else what
-    was wrong. By Cauchy-Schwarz, Nd * sum(h**2) == sum(h)**2 exactly when every rank's h is the same."""
-    invalid, parts, squares = summed[0], summed[1:2 + FINGERPRINT_PARTS], summed[2 + FINGERPRINT_PARTS:]
-    same = [world_size > 74_565 or world_size * round(q) == round(h) ** 2 for h, q in zip(parts, squares)]
-    if not same[-1]:
-        return ("a backward raised on some ranks since the last step and not on the others (engine.backward "
-                "raised and engine.zero_grad discarded its gradients there): the ranks' micro-batches no longer "
-                "line up (a rank skipped or retried a batch that the others did not), so this step would average "
-                "gradients of different batches; nothing was updated. A failure must be every rank's: restart "
-                "from the last checkpoint, or agree on it across the ranks (all-reduce a flag) before skipping "
-                "or retrying a batch")
+    """None when every rank held valid and equal hyper-parameters, else what was wrong (the
+    failure part is `failure_disagreement`'s)."""
+    invalid, same = summed[0], _same_on_every_rank(summed, world_size)[:-1]
     if invalid:
         return f"{int(invalid)} of {world_size} ranks hold invalid hyper-parameters in engine.optimizer.param_groups"
     if all(same):

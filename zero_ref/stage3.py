@@ -257,6 +257,11 @@ class Stage3(Stage):
         if module is self.model and not self.in_backward:
             self._end_forward()
 
+    @_internal
+    def idle_forward(self) -> None:
+        self.forward_schedule.begin()
+        self._end_forward()   # issues the whole schedule and answers rounds until every rank's forward is over
+
     def _end_forward(self) -> None:
         first = not self.forward_schedule.learned
         self.forward_schedule.finish()
@@ -314,7 +319,8 @@ class Stage3(Stage):
         self.backward_schedule.begin()
 
     @_internal
-    def end_backward(self, boundary: bool) -> None:
+    def end_backward(self, boundary: bool, failed: bool = False) -> None:
+        # after a failed backward too: the schedule, learned from rounds, is every rank's alike
         self.backward_schedule.finish()
         self.arrivals.flush()
         self.buckets.drain()
