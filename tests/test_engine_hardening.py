@@ -500,13 +500,13 @@ def test_a_backward_that_raises_on_one_rank_only_raises_on_every_rank_and_the_ne
 
 
 def _one_rank_skips_after_its_forward_raised(rank: int, world: int) -> dict:
-    """Rank 1's forward raises at the second batch; its loop skips that batch while the others
-    train on it, so its next batch meets their current one."""
+    """Rank 1's forward raises at the second batch; every rank's loop skips a batch whose forward
+    raised and stops at an error from step."""
     import zero_ref
 
     batches = token_batches(3, BATCH)
     out = {}
-    for stage in range(3):
+    for stage in STAGES:
         model = _FailsMidBackward()
         with zero_ref.initialize(model, cfg(stage)) as engine:
             errors, first = [], None
@@ -517,22 +517,34 @@ def _one_rank_skips_after_its_forward_raised(rank: int, world: int) -> dict:
                     engine.backward(lm_loss(engine(part), part))
                     engine.step()
                 except RuntimeError as err:
-                    assert "injected failure in forward" in str(err), err
+                    errors.append(("forward", step, str(err)))
+                    engine.zero_grad()
                     continue
                 except ValueError as err:
-                    errors.append((step, str(err)))
+                    errors.append(("step", step, str(err)))
                     break
                 first = first or engine.full_state_dict()
-            out[stage] = errors, _equal(first, engine.full_state_dict())
+            out[stage] = errors, _equal(first, engine.full_state_dict()), engine.full_state_dict()
     return out
 
 
-def test_a_batch_skipped_on_one_rank_after_its_forward_raised_stops_the_step_on_every_rank():
-    """Stages 0-2 (stage 3 gathers in forward: see the engine's contract): the skip would pair rank
-    1's batch with the others' previous one silently; the forward's failure rides in the step's
-    statistics, so every rank raises at that step and nothing is updated."""
+def test_a_forward_that_raises_on_one_rank_only_never_pairs_a_batch_with_another():
+    """Stages 0-2 run no collective in forward: the other ranks train on, and rank 1, skipping its
+    batch, would pair its next one with their current one silently. The forward's failure rides in
+    the step's statistics, so every rank raises at that step and nothing is updated. Stage 3 gathers
+    in forward: the schedule's last round tells every rank that rank 1's forward raised, every
+    rank's forward raises with it, and skipping the batch everywhere trains exactly as AdamW
+    without it."""
+    batches = token_batches(3, BATCH)
+    ref = reference(_FailsMidBackward, [batches[0], batches[2]], 3)
     for rank, result in enumerate(spawn(_one_rank_skips_after_its_forward_raised, 3)):
-        for stage, (errors, unchanged) in result.items():
-            assert [step for step, _ in errors] == [2 if rank == 1 else 1], (rank, stage, errors)
-            assert "or a forward did" in errors[0][1], (rank, stage, errors)
+        for stage, (errors, unchanged, state) in result.items():
+            where = [(kind, step) for kind, step, _ in errors]
+            if stage == 3:
+                assert where == [("forward", 1)], (rank, errors)
+                assert ("injected failure" if rank == 1 else "the forward raised on rank(s) 1") in errors[0][2]
+                assert state_error(state, ref) < ATOL, rank
+                continue
+            assert where == ([("forward", 1), ("step", 2)] if rank == 1 else [("step", 1)]), (rank, stage, errors)
+            assert "or a forward did" in errors[-1][2], (rank, stage, errors)
             assert unchanged, (rank, stage)

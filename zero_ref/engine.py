@@ -47,10 +47,10 @@ compute and communication waits (experiments/throughput.py).
   differs over the ranks, every rank raises ValueError (the failing ones from backward, the others
   from step) before anything is updated, and `zero_grad()` on every rank puts them in step again;
   if every rank failed at the same micro-batch, the error goes on and a retry is exact. A forward
-  (with gradients enabled) that raised is recorded the same way, but nothing more: a rank that
-  then skips the batch while the others train on it is caught by the step's statistics at stages
-  0-2 (ValueError on every rank, nothing updated; it is a batch ahead of the others); at stage 3
-  its gathers meet the others' backward gathers, and the backend may abort on the mismatch.
+  (with gradients enabled) that raised is recorded the same way. At stage 3 a forward that raises
+  on some ranks raises on every rank (stage3.py), so every rank skips or retries alike; at stages
+  0-2 (no collective in forward) a rank that skips the batch alone is caught by the step's
+  statistics: ValueError on every rank, nothing updated (it is then a batch ahead of the others).
 * A bare `loss.backward()` reaches the engine's gradient hooks outside `engine.backward` and
   raises RuntimeError there (it would skip the loss scale and the reductions); the engine then
   refuses to step until `engine.zero_grad()` discards the gradients accumulated since the last step.

@@ -21,6 +21,10 @@ each rank gathered what it needs when it needs it. So gathers are not issued by 
 Every rank thus issues exactly the same gathers, and gets exactly the values it needs; a round
 costs one exchange of a few integers per rank on the control channel (one per pass when nothing
 deviates). Nothing here moves data: `issue(u)` (the stage's) starts the gather of unit u.
+
+A rank whose pass raised (its forward failed part-way) still finishes the pass as above, but
+answers FAILED instead of DONE: every rank sees the same rounds, so every rank learns which ranks'
+passes raised (`failed_ranks`) and can stop with them (stage3.py).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from typing import Callable
 
 from .comm import label
 
-DONE = -1
+DONE = -1     # a round's answer: this rank's pass is over
+FAILED = -2   # ... and it raised
 
 
 class GatherSchedule:
@@ -55,6 +60,7 @@ class GatherSchedule:
         """A pass starts: nothing has been issued yet."""
         self.cursor = 0
         self.gathered: list[int] = []   # this pass's gathers, in order (what a first pass learns)
+        self.failed_ranks: list[int] = []   # ranks whose pass raised, as the rounds told
 
     def _issue(self, u: int) -> None:
         self.gathered.append(u)
@@ -77,23 +83,26 @@ class GatherSchedule:
             self._round(u)
 
     def _round(self, request: int) -> list[int]:
-        """One control exchange: every rank's request (or DONE); gather the requested units."""
+        """One control exchange: every rank's request (or DONE, or FAILED); gather the requested units."""
         wanted: list[int] = []
         with label("zero_ref::schedule round"):   # a profiler label only
             answers = self.comm.exchange([request])
-        for (unit,) in answers:
-            if unit != DONE and unit not in wanted:
+        for rank, (unit,) in enumerate(answers):
+            if unit == FAILED and rank not in self.failed_ranks:
+                self.failed_ranks.append(rank)
+            elif unit >= 0 and unit not in wanted:
                 wanted.append(unit)
         for unit in wanted:
             self._issue(unit)
         return wanted
 
-    def finish(self) -> None:
-        """This rank's pass is over: issue the rest of the schedule, answer rounds until every rank's
-        pass is over, and, after a first pass, keep what was gathered as the schedule."""
+    def finish(self, failed: bool = False) -> None:
+        """This rank's pass is over (`failed`: it raised): issue the rest of the schedule, answer
+        rounds until every rank's pass is over, and, after a first pass, keep what was gathered as
+        the schedule."""
         if self.learned:
             self._issue_through(len(self.entries))
-        while self._round(DONE):
+        while self._round(FAILED if failed else DONE):
             pass
         if not self.learned:
             self.entries = list(dict.fromkeys(self.gathered))

@@ -14,7 +14,8 @@ Communicated, per micro-batch (paper Sec 7.2.2):
    (gather_schedule.py: gathers pair up by position, so ranks whose modules run in other orders
    must still issue the same ones); the next `prefetch` units of the schedule are gathered
    asynchronously; a unit is freed again when its root returns (a unit used twice in one forward
-   is kept until the forward ends);
+   is kept until the forward ends). A forward that raises on some ranks raises on every rank, at
+   its end: the schedule's last round tells every rank whose forward raised;
 2. backward: a hook on each unit root's outputs gathers the unit again before the root's backward
    (Ψ elements, following the backward schedule); when every gradient of a unit has arrived its
    parameters are freed and its gradients are reduce-scattered (averaged) into this rank's
@@ -36,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import sys
 
 import torch
 from torch import nn
@@ -149,6 +151,7 @@ class Stage3(Stage):
         self.external: dict[int, set[int]] = {}  # id(module) -> units it uses outside their roots
         self.used_this_pass: set[int] = set()
         self.reused: set[int] = set()            # units a forward uses twice: kept until it ends
+        self.error_before_forward = None         # the exception being handled when the forward began
         self.gather_stream = SideStream(self.device)
         self.shards_written = None               # CUDA event: this rank's shards are up to date
         self.forward_schedule = GatherSchedule(comm, self._issue_gather, config.prefetch)
@@ -239,6 +242,7 @@ class Stage3(Stage):
         if module is self.model and not self.in_backward:
             self.forward_schedule.begin()
             self.used_this_pass = set()
+            self.error_before_forward = sys.exc_info()[1]   # a forward may run inside an except clause
         units = [g for g in (self.unit_of_root.get(id(module)),) if g is not None]
         units += sorted(self.external.get(id(module), ()))
         for g in units:
@@ -255,16 +259,25 @@ class Stage3(Stage):
                 if tensor.requires_grad:
                     tensor.register_hook(lambda grad, gs=tuple(units): self._before_backward(gs))
         if module is self.model and not self.in_backward:
-            self._end_forward()
+            # torch calls this hook (always_call) inside its except clause when the forward raised
+            failed = sys.exc_info()[1] is not self.error_before_forward
+            self._end_forward(failed)
+            if self.forward_schedule.failed_ranks and not failed:
+                ranks = ", ".join(map(str, self.forward_schedule.failed_ranks))
+                raise RuntimeError(
+                    f"stage 3: the forward raised on rank(s) {ranks} of the data-parallel group, so it stops here "
+                    "too: every rank gathers the same units in one order, and a rank that went on alone would pair "
+                    "its gathers with the wrong ones. Nothing was changed; every rank may now skip this batch (or "
+                    "retry it) alike")
 
     @_internal
     def idle_forward(self) -> None:
         self.forward_schedule.begin()
         self._end_forward()   # issues the whole schedule and answers rounds until every rank's forward is over
 
-    def _end_forward(self) -> None:
+    def _end_forward(self, failed: bool = False) -> None:
         first = not self.forward_schedule.learned
-        self.forward_schedule.finish()
+        self.forward_schedule.finish(failed)
         self._free_unused()
         if first:   # reduce in the reverse of the (agreed) forward order, on every rank
             entries = self.forward_schedule.entries
