@@ -69,3 +69,45 @@ def test_models_that_differ_across_ranks_and_bad_backward():
         assert message is not None and "1.weight" in message and "rank 1" in message
     (message,) = spawn(_backward_needs_scalar, 1)
     assert "scalar" in message
+
+
+def _given_differently(rank, world_size):
+    """initialize with a config or param_groups that differ on rank 1, then one that agrees."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    base = dict(stage=2, kernels="torch", bucket_numel=8)
+    weights = [model[0].weight, model[1].weight]
+    biases = [model[0].bias, model[1].bias]
+    cases = {
+        "bucket_numel": (dict(base, bucket_numel=9 if rank == 1 else 8), None),
+        "stage": (dict(base, stage=3 if rank == 1 else 2), None),
+        "members": (base, [{"params": weights + biases[:1]}, {"params": biases[1:], "weight_decay": 0.0}]
+                    if rank == 1 else [{"params": weights}, {"params": biases, "weight_decay": 0.0}]),
+        "values": (base, [{"params": weights}, {"params": biases, "lr": 0.5 if rank == 1 else 0.1}]),
+        "refused on one rank": (base, [{"params": weights}, {"params": biases, "momentum": 0.9}]
+                                if rank == 1 else [{"params": weights + biases}]),
+    }
+    out = {}
+    for name, (config, groups) in cases.items():
+        try:
+            zero_ref.initialize(model, zero_ref.ZeroConfig(**config), param_groups=groups).close()
+            out[name] = None
+        except ValueError as err:
+            out[name] = str(err)
+    with zero_ref.initialize(model, zero_ref.ZeroConfig(**base)) as engine:   # nothing was left half-built
+        engine.backward(engine(torch.ones(2, 3)).sum())
+        out["then"] = engine.step()
+    return out
+
+
+def test_configs_or_param_groups_that_differ_across_ranks_are_refused_on_every_rank():
+    """Another bucket size or stage lays out or issues other collectives, another grouping updates
+    a shard with other hyper-parameters: each would pair the ranks' collectives wrongly or train a
+    mix. initialize compares them across the ranks and raises ValueError on every rank."""
+    expected = {"bucket_numel": "bucket_numel=8 on rank 0 but 9 on rank 1", "stage": "stage=2 on rank 0 but 3",
+                "members": "group 0 holds ['0.bias'] on rank 1 but not on rank 0", "values": "lr=0.1 on rank 0 but 0.5 on rank 1"}
+    for rank, out in enumerate(spawn(_given_differently, 2)):
+        for name, fragment in expected.items():
+            assert out[name] is not None and fragment in out[name], (rank, name, out[name])
+        refused = out["refused on one rank"]
+        assert refused is not None and ("momentum" in refused if rank == 1 else "refused on rank(s) 1" in refused)
+        assert out["then"] is True

@@ -86,6 +86,7 @@ from .comm import CollectiveError, Comm, CommLedger, label
 from .config import ZeroConfig
 from .grad_stats import GradStats, StepStatistics, detached_message
 from .precision import LossScaler
+from .same_everywhere import check_same_everywhere
 from .sharded_param import is_freed
 from .stage0 import Stage0
 from .stage1 import Stage1
@@ -180,11 +181,11 @@ class ZeroEngine:
         self.mp_comm = Comm(mp_group, self.ledger, device, config.comm_timeout_s) \
             if mp_group is not None and dist.get_world_size(mp_group) > 1 else None
         self.closed = False
-        _check_same_model_everywhere(model, self.comm)
         trainable = [p for p in params if p.requires_grad]
         self.frozen = [p for p in params if not p.requires_grad]
         defaults = {"lr": config.lr, "betas": config.betas, "eps": config.eps, "weight_decay": config.weight_decay}
-        groups = build_groups(param_groups, model, trainable, defaults)   # checked before anything changes
+        groups = check_same_everywhere(   # before anything changes: on every rank alike
+            model, self.comm, config, lambda: build_groups(param_groups, model, trainable, defaults))
         sharded_construction = materializer is not None and config.stage == 3
         if materializer is not None:
             self._start_from_rank0_rng(device)
@@ -549,22 +550,3 @@ def _make_stage(model: nn.Module, trainable: list[nn.Parameter], config: ZeroCon
         return Stage3(model, trainable, config, comm)
     return {0: Stage0, 1: Stage1, 2: Stage2}[config.stage](trainable, config, comm)
 
-
-def _check_same_model_everywhere(model: nn.Module, comm: Comm) -> None:
-    """Every rank must hold the same parameter names and shapes; say where they first differ."""
-    if comm.world_size == 1:
-        return
-    mine = [(name, tuple(p.shape), p.requires_grad)
-            for name, p in model.named_parameters(remove_duplicate=False)]
-    everyone = comm.all_gather_object(mine)
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        if theirs == reference:
-            continue
-        for i, (a, b) in enumerate(zip(reference, theirs)):
-            if a != b:
-                raise ValueError(f"models differ across ranks: parameter #{i} is {a[0]} {a[1]} "
-                                 f"(requires_grad={a[2]}) on rank 0 but {b[0]} {b[1]} "
-                                 f"(requires_grad={b[2]}) on rank {rank}")
-        raise ValueError(f"models differ across ranks: rank 0 has {len(reference)} parameters, "
-                         f"rank {rank} has {len(theirs)}")

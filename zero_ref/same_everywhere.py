@@ -1,0 +1,106 @@
+"""What `initialize` checks across the ranks before anything changes.
+
+Every rank builds its own engine, and the engines then talk by position: a bucket reduced on one
+rank pairs with whatever the others reduce at that point. Ranks that hold different models, pass
+different configs (another `bucket_numel` lays out other buckets; another stage issues other
+collectives) or group the parameters differently would pair the wrong collectives: the backend
+aborts on a size mismatch, or the numbers are silently wrong. So each rank sends one description
+of what it was given (`all_gather_object` on the control channel, once per engine), and every
+rank raises the same ValueError, naming the first difference, when they differ; a `param_groups`
+refused on some ranks only is refused on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from torch import nn
+
+from .comm import Comm
+from .config import ZeroConfig
+from .param_groups import HYPER_KEYS
+
+
+def check_same_everywhere(model: nn.Module, comm: Comm, config: ZeroConfig,
+                          build_groups: Callable[[], list[dict]]) -> list[dict]:
+    """The parameter groups `build_groups()` returns, once every rank has found the same model
+    (names, shapes, requires_grad), the same config and the same groups (members and values)."""
+    try:
+        groups, refused = build_groups(), None
+    except (TypeError, ValueError) as err:
+        groups, refused = None, err
+    if comm.world_size == 1:
+        if refused is not None:
+            raise refused
+        return groups
+    params = model.named_parameters(remove_duplicate=False)
+    mine = {"params": [(name, tuple(p.shape), p.requires_grad) for name, p in params],
+            "config": dataclasses.asdict(config),
+            "groups": None if groups is None else _describe(groups, model),
+            "refused": None if refused is None else f"{type(refused).__name__}: {refused}"}
+    everyone = comm.all_gather_object(mine)
+    _check_models(everyone)
+    _check_configs(everyone)
+    failed = [rank for rank, theirs in enumerate(everyone) if theirs["refused"]]
+    if failed:
+        if refused is not None:
+            raise refused
+        raise ValueError(f"zero_ref.initialize: param_groups were refused on rank(s) {', '.join(map(str, failed))} "
+                         f"({everyone[failed[0]]['refused']}); every rank must pass the same valid groups")
+    _check_groups(everyone)
+    return groups
+
+
+def _describe(groups: list[dict], model: nn.Module) -> list[tuple]:
+    """Each group as (its parameters' names, its hyper-parameters), comparable across ranks."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [(sorted(names[id(p)] for p in group["params"]), tuple(repr(group[k]) for k in HYPER_KEYS))
+            for group in groups]
+
+
+def _check_models(everyone: list[dict]) -> None:
+    """Every rank must hold the same parameter names and shapes; say where they first differ."""
+    reference = everyone[0]["params"]
+    for rank, theirs in enumerate(each["params"] for each in everyone):
+        if theirs == reference:
+            continue
+        for i, (a, b) in enumerate(zip(reference, theirs)):
+            if a != b:
+                raise ValueError(f"models differ across ranks: parameter #{i} is {a[0]} {a[1]} "
+                                 f"(requires_grad={a[2]}) on rank 0 but {b[0]} {b[1]} "
+                                 f"(requires_grad={b[2]}) on rank {rank}")
+        raise ValueError(f"models differ across ranks: rank 0 has {len(reference)} parameters, "
+                         f"rank {rank} has {len(theirs)}")
+
+
+def _check_configs(everyone: list[dict]) -> None:
+    reference = everyone[0]["config"]
+    for rank, theirs in enumerate(each["config"] for each in everyone):
+        differ = [key for key in reference if theirs[key] != reference[key]]
+        if differ:
+            which = ", ".join(f"{key}={reference[key]!r} on rank 0 but {theirs[key]!r} on rank {rank}"
+                              for key in differ)
+            raise ValueError(f"ZeroConfig differs across ranks: {which}. Every rank must pass the same config "
+                             "(the ranks' collectives pair up by position)")
+
+
+def _check_groups(everyone: list[dict]) -> None:
+    reference = everyone[0]["groups"]
+    for rank, theirs in enumerate(each["groups"] for each in everyone):
+        if theirs == reference:
+            continue
+        if len(theirs) != len(reference):
+            raise ValueError(f"param_groups differ across ranks: {len(reference)} groups on rank 0, {len(theirs)} on "
+                             f"rank {rank}")
+        for i, ((members_0, hyper_0), (members, hyper)) in enumerate(zip(reference, theirs)):
+            if members != members_0:
+                only_0, only_here = sorted(set(members_0) - set(members)), sorted(set(members) - set(members_0))
+                where = (f"{only_here[:3]} on rank {rank} but not on rank 0" if only_here else
+                         f"{only_0[:3]} on rank 0 but not on rank {rank}")
+                raise ValueError(f"param_groups differ across ranks: group {i} holds {where}. Every rank must "
+                                 "group the parameters alike")
+            if hyper != hyper_0:
+                values = ", ".join(f"{key}={a} on rank 0 but {b} on rank {rank}"
+                                   for key, a, b in zip(HYPER_KEYS, hyper_0, hyper) if a != b)
+                raise ValueError(f"param_groups differ across ranks: group {i} has {values}")
