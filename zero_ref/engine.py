@@ -213,7 +213,7 @@ class ZeroEngine:
         self.micro_step = 0   # backwards since the last step
         self.global_step = 0
         self._skipped_steps = 0
-        self._failed_at = 0   # the micro-batch of this step at which a backward raised (0: none)
+        self._failed_at = 0   # the micro-batch of this step at which a forward or backward raised (0: none)
         for param in params:
             param.zero_ref_engine = weakref.ref(self)   # _check_not_taken: one open engine per model
         self.stage.note_param_writes()
