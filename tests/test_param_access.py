@@ -153,7 +153,9 @@ def _load(rank: int, world: int) -> dict:
             engine.step()
             errors = []
             for bad in ({**new, "extra": torch.zeros(1)}, {k: v for k, v in new.items() if k != "head.bias"},
-                        {**new, "head.bias": torch.zeros(2)}):
+                        {**new, "head.bias": torch.zeros(2)},
+                        {k: v for k, v in new.items() if rank == 0 or k != "head.bias"},   # refused on rank 1 only
+                        {**new, "head.bias": new["head.bias"] + rank}):                   # other values on rank 1
                 try:
                     engine.load_state_dict(bad)
                 except ValueError as err:
@@ -182,7 +184,9 @@ def _load(rank: int, world: int) -> dict:
 
 
 def test_load_state_dict_writes_the_master_at_every_stage_in_bf16():
-    for out, new in spawn(_load, 2, timeout=300):
+    """engine.load_state_dict at every stage in bf16; refused, changing nothing, for a bad state dict
+    on every rank, on one rank only (every rank raises) or with other values on one rank."""
+    for rank, (out, new) in enumerate(spawn(_load, 2, timeout=300)):
         rounded = {k: v.to(torch.bfloat16).float() for k, v in new.items()}
         for stage in range(3):
             adopted, one_rank = out.pop(("in place", stage))
@@ -191,7 +195,9 @@ def test_load_state_dict_writes_the_master_at_every_stage_in_bf16():
         for stage, (loaded, stepped, errors) in out.items():
             assert state_error(loaded, new) == 0.0 and state_error(stepped, new) == 0.0, stage
             assert "unknown key 'extra'" in errors[0] and "missing 'head.bias'" in errors[1]
-            assert "'head.bias' has shape (2,), the model's is (23,)" in errors[2] and len(errors) == 3
+            assert "'head.bias' has shape (2,), the model's is (23,)" in errors[2] and len(errors) == 5
+            assert "missing 'head.bias'" in errors[3] if rank == 1 else "refused on rank(s) 1" in errors[3]
+            assert f"other values on rank(s) {1 - rank} than on rank {rank}" in errors[4]
 
 
 def _load_awkward(rank: int, world: int) -> dict:

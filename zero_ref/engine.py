@@ -467,7 +467,8 @@ class ZeroEngine:
         the master, not the parameter (a write into `param.data` would be lost at the next step), and
         at stage 3, where a parameter has no values outside the forward. Checked before anything changes:
         every parameter present (a tied one under any of its names, equal under each), shapes as the
-        model's, no unknown key (state_dict.py)."""
+        model's, no unknown key, and the same values on every rank; a state dict refused on one rank
+        is refused on every rank (state_dict.py)."""
         self._check_open()
         state_dict_io.load_state_dict(self, state_dict)
 

@@ -16,6 +16,7 @@ checkpoints (checkpoint._apply) restore through it too.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Callable
 
@@ -69,12 +70,37 @@ def load_state_dict(engine, state_dict: dict[str, torch.Tensor]) -> None:
             problems.append(f"{key!r} has shape {tuple(state_dict[key].shape)}, the model's is {tuple(param.shape)}")
         else:
             source[id(param)] = state_dict[key].detach()
-    if problems:
-        raise ValueError("load_state_dict: " + "; ".join(problems) + ". Nothing was changed")
-    whole = [(param, source[id(param)]) for param in engine.frozen]
+    whole = [(param, source[id(param)]) for param in engine.frozen if id(param) in source]
     whole += [(buffer, state_dict[name]) for name, buffer in buffers.items() if name in state_dict]
+    _check_same_on_every_rank(engine.comm, problems, [*source.values(), *(value for _, value in whole)])
     write_model_state(engine.stage, {"master": engine.stage.optimizer.masters},
                       lambda param, start, end: {"master": source[id(param)].reshape(-1)[start:end]}, whole)
+
+
+def _check_same_on_every_rank(comm, problems: list[str], values: list[torch.Tensor]) -> None:
+    """Every rank is given the whole state dict and copies its own pieces, then the parameters are
+    regathered: a state dict refused on some ranks only must be refused on every rank (the others
+    would wait in the regather), and different values on different ranks would load a mix of them.
+    One exchange on the control channel: each rank's problems and each tensor's fp64 sum and sum of
+    squares."""
+    digest = []
+    if values and not problems and comm.world_size > 1:
+        digest = torch.stack([torch.stack([v.double().sum(), v.double().square().sum()]) for v in values]).tolist()
+    everyone = comm.all_gather_object((problems, digest)) if comm.world_size > 1 else [(problems, digest)]
+    if problems:
+        raise ValueError("load_state_dict: " + "; ".join(problems) + ". Nothing was changed")
+    refused = [rank for rank, (theirs, _) in enumerate(everyone) if theirs]
+    if refused:
+        raise ValueError(f"load_state_dict was refused on rank(s) {', '.join(map(str, refused))} "
+                         f"({'; '.join(everyone[refused[0]][0])}). Nothing was changed on any rank")
+    differ = [rank for rank, (_, theirs) in enumerate(everyone)
+              if len(theirs) != len(digest) or not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+                                                      for pair_a, pair_b in zip(theirs, digest)
+                                                      for a, b in zip(pair_a, pair_b))]
+    if differ:
+        raise ValueError(f"load_state_dict was given other values on rank(s) {', '.join(map(str, differ))} than on "
+                         f"rank {comm.rank}: every rank must pass the same state dict (each loads only its own "
+                         "pieces of it). Nothing was changed on any rank")
 
 
 def full_state_dict(engine, rank0_only: bool, device: torch.device) -> dict[str, torch.Tensor]:
