@@ -146,3 +146,43 @@ def test_save_killed_part_way_leaves_previous_checkpoint(tmp_path):
     assert step == 2
     manifest = read_manifest(resolve(root))
     assert manifest["global_step"] == 2 and manifest["stage"] == 2
+
+
+def _save_refused_somewhere(rank, world_size, folder):
+    """save_checkpoint where rank 1 is mid-step, then with another folder on rank 1, then as it should."""
+    import zero_ref
+    from awkward import AwkwardNet, loss_fn
+    from zero_ref.checkpoint import CheckpointError
+
+    (tokens,) = global_batches(1, 1, BATCH)[0]
+    part = tokens.chunk(world_size)[rank]
+    errors = []
+    # stage 1, 2 micro-batches a step, buffers not broadcast: once the first backward has agreed on the
+    # bucket order, a step's first micro-batch communicates nothing, so one rank may run it alone
+    config = zero_ref.ZeroConfig(**_cfg(1, grad_accum_steps=2, broadcast_buffers=False, comm_timeout_s=30))
+    with zero_ref.initialize(AwkwardNet(), config) as engine:
+        for _ in range(2):
+            engine.backward(loss_fn(engine(part), part))
+        engine.step()
+        if rank == 1:
+            engine.backward(loss_fn(engine(part), part))
+        for where in (folder, folder if rank == 0 else folder + "-other"):
+            try:
+                engine.save_checkpoint(where)
+            except CheckpointError as err:
+                errors.append(str(err))
+            engine.zero_grad()
+        saved = engine.save_checkpoint(folder)
+    return errors, str(saved), sorted(os.listdir(folder))
+
+
+def test_a_save_refused_on_one_rank_is_refused_on_every_rank(tmp_path):
+    """A rank mid-step, or a rank told another folder, used to leave the others waiting (or write a
+    checkpoint in two halves): now every rank raises CheckpointError before anything is written."""
+    folder = str(tmp_path / "ckpt")
+    for rank, (errors, saved, listed) in enumerate(spawn(_save_refused_somewhere, 2, folder, timeout=120)):
+        assert len(errors) == 2, errors
+        assert ("between steps" if rank == 1 else "refused on rank(s) 1") in errors[0], errors[0]
+        assert "on rank 1 but" in errors[1] and "every rank must name the same folder" in errors[1], errors[1]
+        assert listed == sorted([Path(saved).name, "latest"]), listed    # only the good save wrote anything
+    assert not (tmp_path / "ckpt-other").exists()

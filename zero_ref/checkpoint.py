@@ -55,15 +55,31 @@ def save_checkpoint(engine, root: str | os.PathLike, keep: int = 2, lr_scheduler
     """Write this engine's state under `root` (collective: every rank calls it). Returns the new
     checkpoint's folder. Older complete checkpoints beyond the newest `keep` are removed. The
     parameter groups' hyper-parameters are saved, and `lr_scheduler`'s state when one is given."""
-    if engine.micro_step:
-        raise CheckpointError("save_checkpoint must be called between steps: backward has run since the last "
-                              "engine.step() (call step() or zero_grad() first)")
     comm, stage, optimizer = engine.comm, engine.stage, engine.stage.optimizer
     root = Path(root)
-    tag = comm.all_gather_object(f"step{engine.global_step:08d}-{uuid.uuid4().hex[:8]}")[0]
-    folder = root / tag
     names = canonical_names(engine.module)
-    state = training_state(engine, names, lr_scheduler)   # fails here, before anything is written
+    state, refused = None, None
+    try:   # checked on every rank, then told to every rank, before anything is written
+        if engine.micro_step:
+            raise CheckpointError("save_checkpoint must be called between steps: backward has run since the last "
+                                  "engine.step() (call step() or zero_grad() first)")
+        state = training_state(engine, names, lr_scheduler)
+    except CheckpointError as err:
+        refused = str(err)
+    everyone = comm.all_gather_object((f"step{engine.global_step:08d}-{uuid.uuid4().hex[:8]}", str(root), refused))
+    if refused:
+        raise CheckpointError(refused)
+    failed = [rank for rank, (_, _, theirs) in enumerate(everyone) if theirs]
+    if failed:
+        raise CheckpointError(f"save_checkpoint was refused on rank(s) {', '.join(map(str, failed))} "
+                              f"({everyone[failed[0]][2]}); nothing was written")
+    elsewhere = [rank for rank, (_, theirs, _) in enumerate(everyone) if theirs != everyone[0][1]]
+    if elsewhere:
+        raise CheckpointError(f"save_checkpoint was given {everyone[elsewhere[0]][1]!r} on rank {elsewhere[0]} but "
+                              f"{everyone[0][1]!r} on rank 0: every rank must name the same folder (each writes its "
+                              "own file into it); nothing was written")
+    tag = everyone[0][0]
+    folder = root / tag
 
     tensors, pieces = {}, []
     if not (stage.replicated and comm.rank != 0):
