@@ -548,3 +548,27 @@ def test_a_forward_that_raises_on_one_rank_only_never_pairs_a_batch_with_another
             assert where == ([("forward", 1), ("step", 2)] if rank == 1 else [("step", 1)]), (rank, stage, errors)
             assert "or a forward did" in errors[-1][2], (rank, stage, errors)
             assert unchanged, (rank, stage)
+
+
+def _stage3_without_overlap(rank: int, world: int) -> dict:
+    import zero_ref
+
+    batches = token_batches(STEPS, BATCH)
+    out = {}
+    for make in (WithUnused, DataDependentOrder, ExternalUse):
+        with zero_ref.initialize(make(), cfg(3, overlap=False, comm_timeout_s=60)) as engine:
+            train(engine, batches, rank, world)
+            out[make.__name__] = engine.full_state_dict()
+    return out
+
+
+def test_stage3_without_overlap_survives_data_that_leaves_a_unit_out_on_some_ranks():
+    """overlap=False made stage 3's reduce-scatters wait without bound inside the launch: a rank
+    whose data used a unit the others' did not waited there for them, while they waited for it in
+    the backward's last gather round (a deadlock until comm_timeout_s, worlds 2-4). Reductions now
+    always start asynchronously on gloo at stage 3 and are waited for, bounded, right after."""
+    batches = token_batches(STEPS, BATCH)
+    refs = {make.__name__: reference(make, batches, 3) for make in (WithUnused, DataDependentOrder, ExternalUse)}
+    for rank, out in enumerate(spawn(_stage3_without_overlap, 3, timeout=240)):
+        for name, state in out.items():
+            assert state_error(state, refs[name]) < ATOL, (rank, name)

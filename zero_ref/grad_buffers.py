@@ -169,11 +169,12 @@ class ShardedGradBuckets:
     back to the pool. With `may_block`, at most `max_in_flight` reductions run while backward goes on
     (older ones are waited for; by default one reduces while the next buffer fills: two buffers);
     without it (stage 3 on gloo, where an unbounded host wait could deadlock against a peer that
-    first needs a parameter gather from this rank) finished reductions are harvested as gradients
+    first needs a parameter gather from this rank, or a gather round) every reduction is issued
+    asynchronously, even without `overlap`; finished reductions are harvested as gradients
     arrive (`harvest`: a background thread waits for each, since gloo tells no one else that a
-    reduce-scatter is done), a launch past `max_in_flight` waits at most `patience_s` for the
-    oldest (after one such wait runs out, none more until `drain`), and `drain()` waits for the
-    rest. So the buffers stay at max_in_flight + 1 unless a reduction takes longer than
+    reduce-scatter is done), a launch past `max_in_flight` (0 without `overlap`) waits at most
+    `patience_s` for the oldest (after one such wait runs out, none more until `drain`), and
+    `drain()` waits for the rest. So the buffers stay at max_in_flight + 1 unless a reduction takes longer than
     `patience_s` (ranks out of step, a very slow link).
     """
 
@@ -266,7 +267,11 @@ class ShardedGradBuckets:
 
     def _launch(self, g: int, lo: int, buffer: torch.Tensor) -> None:
         with label("zero_ref::reduce bucket", g), self.comm.reduce_stream.after_current():
-            pending = self.comm.reduce_scatter(self._own_chunk(buffer), buffer, async_op=self.overlap)
+            # without may_block even overlap=False must not wait unboundedly inside the call: a peer
+            # whose data left this group's gradients out reduces it only after the backward's last
+            # gather round, which this rank must reach first. It waits below, bounded, instead
+            pending = self.comm.reduce_scatter(self._own_chunk(buffer), buffer,
+                                               async_op=self.overlap or not self.may_block)
         self.in_flight.append((g, lo, buffer, pending))
         if self.may_block:
             while len(self.in_flight) > self.max_in_flight:
