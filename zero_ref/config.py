@@ -42,7 +42,9 @@ class ZeroConfig:
             so the update equals one on the concatenated batch.
         bucket_numel: the constant size, in elements, of every fusion and communication buffer (the
             paper's CB). A single parameter larger than this gets a bucket of its own.
-        overlap: run the reduction of a bucket asynchronously while backward continues.
+        overlap: run the reduction of a bucket asynchronously while backward continues. False: wait
+            for each one right after it starts (stage 3 on gloo: for at most a moment, since a peer
+            may first need this rank in a gather; grad_buffers.py).
         prefetch: stage 3 only: how many parameter units to gather ahead of the one in use.
         reduce_dtype: None (reduce and accumulate gradients in `dtype`) or "fp32": gradients are
             accumulated across micro-batches and reduced across ranks in fp32 (FSDP's reduce_dtype),
