@@ -105,7 +105,9 @@ def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.Process
     objects are kept, but their storage becomes views of the stage's flat buffers (stage 3: freed
     until used), so no second full copy stays alive. Rank 0's values are broadcast first, so every
     rank starts from the same model. `process_group` defaults to the default group; world size 1
-    works. Every rank of the group must call it.
+    works. Every rank of the group must call it, with the same model structure, config and
+    param_groups: they are compared first, and any difference raises ValueError on every rank
+    (same_everywhere.py).
 
     With model parallelism pass `mesh`, a 2-D DeviceMesh with dimensions named "dp" and "mp"
     (`init_device_mesh("cpu", (Nd, Nm), mesh_dim_names=("dp", "mp"))`): ZeRO shards over "dp" only;
