@@ -70,9 +70,9 @@ def load_state_dict(engine, state_dict: dict[str, torch.Tensor]) -> None:
             problems.append(f"{key!r} has shape {tuple(state_dict[key].shape)}, the model's is {tuple(param.shape)}")
         else:
             source[id(param)] = state_dict[key].detach()
-    whole = [(param, source[id(param)]) for param in engine.frozen if id(param) in source]
-    whole += [(buffer, state_dict[name]) for name, buffer in buffers.items() if name in state_dict]
-    _check_same_on_every_rank(engine.comm, problems, [*source.values(), *(value for _, value in whole)])
+    given_buffers = [(buffer, state_dict[name]) for name, buffer in buffers.items() if name in state_dict]
+    _check_same_on_every_rank(engine.comm, problems, [*source.values(), *(value for _, value in given_buffers)])
+    whole = [(param, source[id(param)]) for param in engine.frozen] + given_buffers
     write_model_state(engine.stage, {"master": engine.stage.optimizer.masters},
                       lambda param, start, end: {"master": source[id(param)].reshape(-1)[start:end]}, whole)
 
