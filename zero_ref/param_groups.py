@@ -153,13 +153,14 @@ they are exact in the fp32 statistics whatever the order of summation."""
 
 AGREEMENT_SLOTS = 1 + 2 * (FINGERPRINT_PARTS + 1)
 """[invalid, h_1..h_4, f, h_1**2..h_4**2, f**2]: f is the micro-batch of the step (1, 2, ...,
-modulo 16; 0 for none) at which this rank's backward raised."""
+counted 1..15 over again; 0 for none) at which this rank's forward or backward raised."""
 
 
 def agreement_stats(hyper: list[tuple] | None, failed_at: int = 0) -> list[float]:
     """[invalid, h_1..h_4, f, h_1**2..h_4**2, f**2] for one rank's hyper-parameters (None: invalid
-    here) and the micro-batch of the step at which its backward raised (f, modulo 16; 0: none)."""
-    failed = float(failed_at % 16)
+    here) and the micro-batch of the step at which its forward or backward raised (f in 1..15,
+    micro-batch 16 again 1; 0: none, which no failure may read as)."""
+    failed = float((failed_at - 1) % 15 + 1 if failed_at else 0)
     if hyper is None:
         return [1.0, *[0.0] * FINGERPRINT_PARTS, failed, *[0.0] * FINGERPRINT_PARTS, failed * failed]
     values = [v for group in hyper for v in group]
