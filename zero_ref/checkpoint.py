@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 from .manifest import (STATE_KINDS, CheckpointError, build_manifest, canonical_names, check_groups_match,
                        check_matches_model, restore_groups, training_state,
                        persistent_buffers, piece_index, read_manifest, seal)
+from .refusals import gather_refusals, refuse_together
 from .state_dict import write_model_state
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "resolve", "read_manifest"]
@@ -58,22 +59,17 @@ def save_checkpoint(engine, root: str | os.PathLike, keep: int = 2, lr_scheduler
     comm, stage, optimizer = engine.comm, engine.stage, engine.stage.optimizer
     root = Path(root)
     names = canonical_names(engine.module)
-    state, refused = None, None
+    state, refusal = None, None
     try:   # checked on every rank, then told to every rank, before anything is written
         if engine.micro_step:
             raise CheckpointError("save_checkpoint must be called between steps: backward has run since the last "
                                   "engine.step() (call step() or zero_grad() first)")
         state = training_state(engine, names, lr_scheduler)
     except CheckpointError as err:
-        refused = str(err)
-    everyone = comm.all_gather_object((f"step{engine.global_step:08d}-{uuid.uuid4().hex[:8]}", str(root), refused))
-    if refused:
-        raise CheckpointError(refused)
-    failed = [rank for rank, (_, _, theirs) in enumerate(everyone) if theirs]
-    if failed:
-        raise CheckpointError(f"save_checkpoint was refused on rank(s) {', '.join(map(str, failed))} "
-                              f"({everyone[failed[0]][2]}); nothing was written")
-    elsewhere = [rank for rank, (_, theirs, _) in enumerate(everyone) if theirs != everyone[0][1]]
+        refusal = err
+    everyone = refuse_together(comm, refusal, (f"step{engine.global_step:08d}-{uuid.uuid4().hex[:8]}", str(root)),
+                               what="save_checkpoint", error=CheckpointError, consequence="nothing was written")
+    elsewhere = [rank for rank, (_, theirs) in enumerate(everyone) if theirs != everyone[0][1]]
     if elsewhere:
         raise CheckpointError(f"save_checkpoint was given {everyone[elsewhere[0]][1]!r} on rank {elsewhere[0]} but "
                               f"{everyone[0][1]!r} on rank 0: every rank must name the same folder (each writes its "
@@ -132,18 +128,18 @@ def _together(comm, work, what: str, summary=lambda result: result):
     """Run `work()` on every rank, then let all ranks see every outcome: (this rank's result, every
     rank's `summary(result)`), or a CheckpointError on every rank naming the rank that failed and why.
     Only the summaries travel (a load's tensors stay on the rank that read them)."""
-    result = None
+    result, mine, refusal = None, None, None
     try:
         result = work()
-        outcome = ("ok", summary(result))
+        mine = summary(result)
     except Exception as err:   # noqa: BLE001 - reported to every rank below
-        outcome = ("error", f"{type(err).__name__}: {err}")
-    everyone = comm.all_gather_object(outcome)
-    failed = [(rank, message) for rank, (status, message) in enumerate(everyone) if status == "error"]
+        refusal = err
+    refusals, summaries = gather_refusals(comm, refusal, mine)
+    failed = [(rank, message) for rank, message in enumerate(refusals) if message]
     if failed:
         detail = "; ".join(f"rank {rank}: {message}" for rank, message in failed)
         raise CheckpointError(f"{what} failed ({detail}); nothing was changed on any rank")
-    return result, [summary for _, summary in everyone]
+    return result, summaries
 
 
 def _prune(root: Path, keep: int, newest: str) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 from .comm import Comm
 from .config import ZeroConfig
 from .param_groups import HYPER_KEYS
+from .refusals import gather_refusals, raise_refusals
 
 
 def check_same_everywhere(model: nn.Module, comm: Comm, config: ZeroConfig,
@@ -30,24 +31,15 @@ def check_same_everywhere(model: nn.Module, comm: Comm, config: ZeroConfig,
         groups, refused = build_groups(), None
     except (TypeError, ValueError) as err:
         groups, refused = None, err
-    if comm.world_size == 1:
-        if refused is not None:
-            raise refused
-        return groups
     params = model.named_parameters(remove_duplicate=False)
     mine = {"params": [(name, tuple(p.shape), p.requires_grad) for name, p in params],
             "config": dataclasses.asdict(config),
-            "groups": None if groups is None else _describe(groups, model),
-            "refused": None if refused is None else f"{type(refused).__name__}: {refused}"}
-    everyone = comm.all_gather_object(mine)
-    _check_models(everyone)
+            "groups": None if groups is None else _describe(groups, model)}
+    refusals, everyone = gather_refusals(comm, refused, mine)
+    _check_models(everyone)       # a model or config that differs is named first: it explains a refusal
     _check_configs(everyone)
-    failed = [rank for rank, theirs in enumerate(everyone) if theirs["refused"]]
-    if failed:
-        if refused is not None:
-            raise refused
-        raise ValueError(f"zero_ref.initialize: param_groups were refused on rank(s) {', '.join(map(str, failed))} "
-                         f"({everyone[failed[0]]['refused']}); every rank must pass the same valid groups")
+    raise_refusals(refused, refusals, "zero_ref.initialize",
+                   consequence="every rank must pass the same valid param_groups")
     _check_groups(everyone)
     return groups
 

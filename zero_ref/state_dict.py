@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from .manifest import persistent_buffers
+from .refusals import refuse_together
 
 
 def names_by_param(module: torch.nn.Module) -> dict[int, list[str]]:
@@ -83,17 +84,12 @@ def _check_same_on_every_rank(comm, problems: list[str], values: list[torch.Tens
     would wait in the regather), and different values on different ranks would load a mix of them.
     One exchange on the control channel: each rank's problems and each tensor's fp64 sum and sum of
     squares."""
+    refusal = ValueError("load_state_dict: " + "; ".join(problems) + ". Nothing was changed") if problems else None
     digest = []
     if values and not problems and comm.world_size > 1:
         digest = torch.stack([torch.stack([v.double().sum(), v.double().square().sum()]) for v in values]).tolist()
-    everyone = comm.all_gather_object((problems, digest)) if comm.world_size > 1 else [(problems, digest)]
-    if problems:
-        raise ValueError("load_state_dict: " + "; ".join(problems) + ". Nothing was changed")
-    refused = [rank for rank, (theirs, _) in enumerate(everyone) if theirs]
-    if refused:
-        raise ValueError(f"load_state_dict was refused on rank(s) {', '.join(map(str, refused))} "
-                         f"({'; '.join(everyone[refused[0]][0])}). Nothing was changed on any rank")
-    differ = [rank for rank, (_, theirs) in enumerate(everyone)
+    everyone = refuse_together(comm, refusal, digest, what="load_state_dict")
+    differ = [rank for rank, theirs in enumerate(everyone)
               if len(theirs) != len(digest) or not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
                                                       for pair_a, pair_b in zip(theirs, digest)
                                                       for a, b in zip(pair_a, pair_b))]
