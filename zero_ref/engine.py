@@ -64,6 +64,10 @@ compute and communication waits (experiments/throughput.py).
   in bf16/fp16 the step adopts such writes into the fp32 master, on every rank or, made on some
   ranks only, not at all (ValueError on every rank). A write into `param.data` is invisible to
   torch's count of in-place writes, so in bf16/fp16 the next step overwrites it.
+* Which parameters are trainable is fixed at `initialize`. One frozen after it
+  (`requires_grad_(False)`) gets no gradient, so no step changes it, as torch's AdamW leaves a
+  parameter without one; the engine still holds it, and checkpoints save and load it. One frozen at
+  `initialize` and made trainable after it: `step()` raises RuntimeError on every rank.
 * A model belongs to one open engine; a stage-3 engine leaves its parameters without values (even
   closed), and reading one outside the forward raises FreedParameterError (sharded_param.py).
 """

@@ -63,7 +63,7 @@ def build_manifest(engine, names: dict[int, str], files: list[dict], order: list
     for name, param in engine.module.named_parameters(remove_duplicate=False):
         if name != names[id(param)]:
             aliases.setdefault(names[id(param)], []).append(name)
-    trainable = [p for p in engine.module.parameters() if p.requires_grad]
+    trainable = engine.stage.trainable   # as at initialize: requires_grad may have been switched off since
     hf = None
     config = getattr(engine.module, "config", None)
     if hasattr(config, "to_json_string") and hasattr(engine.module, "save_pretrained"):
@@ -178,7 +178,7 @@ def validate_manifest(m: dict) -> None:
 
 def check_matches_model(manifest: dict, engine, names: dict[int, str]) -> None:
     """Raise CheckpointError at the first parameter, frozen parameter or buffer that differs."""
-    trainable = [(names[id(p)], list(p.shape)) for p in engine.module.parameters() if p.requires_grad]
+    trainable = [(names[id(p)], list(p.shape)) for p in engine.stage.trainable]   # as at initialize
     saved = [(p["name"], p["shape"]) for p in manifest["params"]]
     for i in range(max(len(trainable), len(saved))):
         ours = trainable[i] if i < len(trainable) else None
