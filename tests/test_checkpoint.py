@@ -234,3 +234,46 @@ def test_a_parameter_frozen_after_initialize_is_saved_loaded_and_left_alone(tmp_
     for stage, (saved, loaded, final) in enumerate(spawn(_freeze_then_save_and_load, 2, str(tmp_path), timeout=240)[0]):
         assert _equal(saved, loaded), stage
         assert max((final[k] - reference[k]).abs().max().item() for k in reference) < 1e-5, stage
+
+
+def _load_after_a_failed_forward(rank, world_size, folder):
+    """Rank 1's forward raises; every rank drops the batch and loads the last checkpoint; train on."""
+    import zero_ref
+    from scenarios import Layered, cfg, lm_loss, local, token_batches
+
+    class RaisesOnRequest(Layered):
+        fail = False
+
+        def forward(self, tokens):
+            if self.fail:
+                raise RuntimeError("this batch cannot be run here")
+            return super().forward(tokens)
+
+    batches = token_batches(3, 6)
+    out = []
+    for stage in range(4):
+        with zero_ref.initialize(RaisesOnRequest(layers=2), cfg(stage)) as engine:
+            part = local(batches[0], rank, world_size)
+            engine.backward(lm_loss(engine(part), part))
+            engine.step()
+            engine.save_checkpoint(f"{folder}/stage{stage}")
+            engine.module.fail = rank == 1
+            try:
+                engine(local(batches[1], rank, world_size))   # no backward on any rank: the batch is dropped
+            except RuntimeError:
+                pass
+            engine.module.fail = False
+            engine.load_checkpoint(f"{folder}/stage{stage}")
+            part = local(batches[2], rank, world_size)
+            engine.backward(lm_loss(engine(part), part))
+            out.append(engine.step())
+    return out
+
+
+def test_a_load_forgets_a_forward_that_raised_before_it(tmp_path):
+    """A forward that raised with gradients enabled is recorded, so that the step can tell every rank
+    that one rank may be a batch ahead (stages 0-2). load_checkpoint replaces the whole step, on every
+    rank: the record used to outlive it and refuse the first step after a clean reload (ValueError
+    on every rank)."""
+    for rank, updated in enumerate(spawn(_load_after_a_failed_forward, 2, str(tmp_path), timeout=240)):
+        assert updated == [True] * 4, (rank, updated)

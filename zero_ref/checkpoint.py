@@ -242,6 +242,7 @@ def _apply(engine, read: dict) -> None:
     engine._skipped_steps = manifest["skipped_steps"]
     engine.scaler.load_state_dict(manifest["scaler"])
     engine.micro_step = 0
+    engine._failed_at = 0   # a forward that raised before the load belongs to the step the load replaced
     stage.polluted = None
 
 
