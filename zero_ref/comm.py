@@ -2,13 +2,20 @@
 
 Collectives pair up across ranks by their position in each rank's sequence on one process group, so
 two sequences that may interleave differently on different ranks must not share a group. The engine
-therefore talks on up to three groups over the same ranks (its *channels*):
+therefore talks on up to four groups over the same ranks (its *channels*):
 
     reduce    gradient reductions, and every other collective that moves model data
     gather    stage 3's parameter gathers, which interleave with its reductions in an order that
               depends on each rank's own backward (stages 0-2 use the reduce channel)
     control   a few integers or small Python objects that keep the ranks in step: gather-schedule
               rounds, votes, agreement checks. Always gloo on the CPU, so it never touches a GPU stream.
+    statistics  the step's one all-reduce of gradient statistics and agreement slots (grad_stats.py),
+              gloo on the CPU. It is how ranks learn that they diverged (one rank's backward raised
+              and it caught up to the step; the others went on with more backwards), so it must
+              never pair with another kind of collective: on a shared group it met a gradient
+              bucket, and gloo aborted the process on the size mismatch (or, at equal sizes, summed
+              the two). On its own group such a rank waits there, the others wait in their next
+              collective, and every rank raises CollectiveError after `timeout_s`.
 
 The channel groups are created once per (parent group, backend, timeout) and shared by every engine
 on those ranks in the process (`_channel_groups`). Engines may share them because each rank issues
@@ -267,13 +274,13 @@ class SideStream:
 
 
 _CHANNELS: dict[tuple, tuple] = {}
-"""(id of the parent group, data backend, timeout) -> (parent group, [reduce, gather, control])."""
+"""(id of the parent group, data backend, timeout) -> (parent group, [reduce, gather, control, statistics])."""
 atexit.register(_CHANNELS.clear)   # release the groups while the interpreter is whole, not during teardown
 
 
 def _channel_groups(parent: dist.ProcessGroup | None, backend: str, timeout_s: float
                     ) -> tuple[tuple, list[dist.ProcessGroup]]:
-    """(cache key, [reduce, gather, control] groups) over the ranks of `parent` (see the module
+    """(cache key, [reduce, gather, control, statistics] groups) over the ranks of `parent` (see the module
     docstring): created by the first engine on those ranks, shared by the later ones. Every rank of
     `parent` creates them at the same point, its first initialize with these settings.
 
@@ -290,7 +297,7 @@ def _channel_groups(parent: dist.ProcessGroup | None, backend: str, timeout_s: f
         timeout = timedelta(seconds=timeout_s)
         local = len(ranks) < dist.get_world_size()
         groups = [dist.new_group(ranks, timeout=timeout, backend=kind, use_local_synchronization=local)
-                  for kind in (backend, backend, "gloo")]
+                  for kind in (backend, backend, "gloo", "gloo")]
         _CHANNELS[key] = (parent, groups)   # holding the parent keeps its id from being reused
     return key, _CHANNELS[key][1]
 
@@ -338,11 +345,11 @@ class Comm:
         self.control_timeout_s = timeout_s                                # control: always gloo
         self._channels = None
         if self.backend == "fake":   # the at-scale studies: one fake group serves every channel
-            self.reduce_group = self.gather_group = self.control_group = group
+            self.reduce_group = self.gather_group = self.control_group = self.statistics_group = group
         else:
             data = "gloo" if device.type == "cpu" else str(dist.get_backend_config(group))
             self._channels, groups = _channel_groups(group, data, timeout_s)
-            self.reduce_group, self.gather_group, self.control_group = groups
+            self.reduce_group, self.gather_group, self.control_group, self.statistics_group = groups
             if not gather_channel:
                 self.gather_group = self.reduce_group
         self.reduce_stream = SideStream(device)   # where reductions are waited on and followed up
@@ -454,6 +461,21 @@ class Comm:
             work = all_gather_tensor(gathered, mine, group=self.control_group, async_op=True)
         Pending(work, "control exchange", self.rank, self.control_timeout_s, self._retire, self.issued).wait()
         return gathered.view(self.world_size, len(values)).tolist()
+
+    def sum_statistics(self, stats: torch.Tensor) -> None:
+        """Sum the step's statistics over the group, in place, on the statistics channel (host
+        memory: a copy to the host and back from a GPU, where the step reads them on the host
+        anyway). Counted in the ledger as the all-reduce it is."""
+        self.ledger.record("all_reduce", 2 * stats.numel())
+        with self._label_issue("all_reduce", stats):
+            if self.alone:
+                return
+            host = stats if stats.device.type in ("cpu", "meta") else stats.cpu()
+            work = dist.all_reduce(host, op=dist.ReduceOp.SUM, group=self.statistics_group, async_op=True)
+        Pending(work, f"all_reduce of {stats.numel()} step statistics", self.rank, self.control_timeout_s,
+                self._retire, self.issued).wait()
+        if host is not stats:
+            stats.copy_(host)
 
     def all_gather_object(self, obj) -> list:
         """Python objects from every rank, on the control channel (not counted as training traffic)."""

@@ -71,10 +71,10 @@ class GradStats:
         """Sum `stats` in place over the data-parallel ranks, then its entries at `mp_slots` over the
         MP ranks: the sum of squares and the flag (and whatever else must stop every MP rank)."""
         if self.comm.world_size > 1:
-            self.comm.all_reduce(stats, "sum")
+            self.comm.sum_statistics(stats)
         if self.mp_comm is not None:
             head = stats[mp_slots].clone()
-            self.mp_comm.all_reduce(head, "sum")
+            self.mp_comm.sum_statistics(head)
             stats[mp_slots] = head
 
     def step_statistics(self, optimizer, frozen: list[nn.Parameter], failed_at: int, ranks: int) -> StepStatistics:
