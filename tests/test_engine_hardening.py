@@ -438,11 +438,13 @@ def test_odd_shapes_and_repeated_forwards_match_adamw():
             assert state_error(out["twice", stage], twice) < ATOL, (rank, stage)
 
 
-ONE_RANK_FAILS = {   # name: (where its backward raises, grad_accum_steps, step, micro-batch of that step)
-    "at the loss, step 1": ("loss", 1, 1, 0),
-    "mid-backward, first backward": ("mid", 1, 0, 0),
-    "mid-backward, first micro-batch of 2": ("mid", 2, 1, 0),
-    "at the loss, last micro-batch of 2": ("loss", 2, 1, 1),
+ONE_RANK_FAILS = {   # name: (where its backward raises, grad_accum_steps, backwards per step, step, which backward)
+    "at the loss, step 1": ("loss", 1, 1, 1, 0),
+    "mid-backward, first backward": ("mid", 1, 1, 0, 0),
+    "mid-backward, first micro-batch of 2": ("mid", 2, 2, 1, 0),
+    "at the loss, last micro-batch of 2": ("loss", 2, 2, 1, 1),
+    # two losses, each its own backward, one step: the others go on past the boundary the failing rank stopped at
+    "at the loss, first of 2 backwards at grad_accum_steps=1": ("loss", 1, 2, 1, 0),
 }
 
 
@@ -455,7 +457,7 @@ def _one_rank_fails(rank: int, world: int) -> dict:
 
     batches = token_batches(4, BATCH)
     out = {}
-    for name, (where, accum, fail_step, fail_micro) in ONE_RANK_FAILS.items():
+    for name, (where, accum, backwards, fail_step, fail_micro) in ONE_RANK_FAILS.items():
         for stage in STAGES:
             model = _FailsMidBackward()
             with zero_ref.initialize(model, cfg(stage, grad_accum_steps=accum, comm_timeout_s=60)) as engine:
@@ -463,7 +465,7 @@ def _one_rank_fails(rank: int, world: int) -> dict:
                 for step, tokens in enumerate(batches):
                     part = local(tokens, rank, world)
                     try:
-                        for micro in range(accum):
+                        for micro in range(backwards):
                             fails = rank == 1 and (step, micro) == (fail_step, fail_micro)
                             model.fail = fails and where == "mid"
                             logits = engine(part)
@@ -485,12 +487,14 @@ def test_a_backward_that_raises_on_one_rank_only_raises_on_every_rank_and_the_ne
     its error; the others from step), nothing is updated, and after zero_grad on every rank the
     training goes on exactly as AdamW over the other batches. Before, the failing rank's collectives
     paired with the wrong ones: gloo aborted on the size mismatch, or a skipped batch paired with
-    the others' next one silently."""
+    the others' next one silently. With two backwards per step, where the others go on past the
+    boundary at which the failing rank sent the statistics, they send them too before their next
+    micro-batch's first collective (the statistics used to meet a gradient bucket: SIGABRT)."""
     batches = token_batches(4, BATCH)
     for rank, result in enumerate(spawn(_one_rank_fails, 3, timeout=600)):
-        for name, (_, accum, fail_step, _) in ONE_RANK_FAILS.items():
+        for name, (_, _, backwards, fail_step, _) in ONE_RANK_FAILS.items():
             kept = [tokens for step, tokens in enumerate(batches) if step != fail_step]
-            ref = reference(_FailsMidBackward, kept, 3, backwards_per_step=accum)
+            ref = reference(_FailsMidBackward, kept, 3, backwards_per_step=backwards)
             for stage in STAGES:
                 errors, state = result[name, stage]
                 assert [(step, cause) for step, cause, _ in errors] == \

@@ -46,7 +46,11 @@ compute and communication waits (experiments/throughput.py).
   the step's statistics, which carry the micro-batch at which each rank's backward raised. If that
   differs over the ranks, every rank raises ValueError (the failing ones from backward, the others
   from step) before anything is updated, and `zero_grad()` on every rank puts them in step again;
-  if every rank failed at the same micro-batch, the error goes on and a retry is exact. A forward
+  if every rank failed at the same micro-batch, the error goes on and a retry is exact. Ranks that
+  go on past a step boundary without a step (several backwards before one step) send the statistics
+  before their next micro-batch's first collective, so they learn of a failure at that boundary
+  (`_check_nobody_failed_at_the_boundary`); the statistics have their own channel (comm.py), so
+  a rank that waits there never pairs them with another rank's gradient bucket. A forward
   (with gradients enabled) that raised is recorded the same way. At stage 3 a forward that raises
   on some ranks raises on every rank (stage3.py), so every rank skips or retries alike; at stages
   0-2 (no collective in forward) a rank that skips the batch alone is caught by the step's
@@ -220,6 +224,7 @@ class ZeroEngine:
         self.global_step = 0
         self._skipped_steps = 0
         self._failed_at = 0   # the micro-batch of this step at which a forward or backward raised (0: none)
+        self._boundary_unchecked = False   # a backward reached a step boundary and no step() followed yet
         for param in params:
             param.zero_ref_engine = weakref.ref(self)   # _check_not_taken: one open engine per model
         self.stage.note_param_writes()
@@ -240,6 +245,7 @@ class ZeroEngine:
     def __call__(self, *args, **kwargs):
         """The model's forward. Floating-point tensor inputs are cast to the model dtype."""
         self._check_open()
+        self._check_nobody_failed_at_the_boundary()
         self._broadcast_buffers()
         cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         args, kwargs = tree_map(cast, (args, kwargs))
@@ -272,6 +278,7 @@ class ZeroEngine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects the scalar loss tensor of this micro-batch")
         self._check_clean()
+        self._check_nobody_failed_at_the_boundary()
         self.micro_step += 1
         boundary = self.at_boundary
         stage = self.stage
@@ -282,6 +289,7 @@ class ZeroEngine:
                 with stage.backward_context():
                     (loss * (self.scaler.scale / self.config.grad_accum_steps)).backward()
                 stage.end_backward(boundary)
+            self._boundary_unchecked = boundary
         except BaseException as err:   # some gradients may be in, some reductions not: refuse to step
             self._failed_at = (self.micro_step - 1) % self.config.grad_accum_steps + 1
             stage.polluted = stage.polluted or (
@@ -320,6 +328,18 @@ class ZeroEngine:
             first_line = (str(err).splitlines() or [""])[0][:200]
             raise ValueError(f"engine.backward raised on this rank ({type(err).__name__}: {first_line}); "
                              f"{summed.failure_disagrees}") from err
+
+    def _check_nobody_failed_at_the_boundary(self) -> None:
+        """Several backwards before one step: a backward that raised at a step boundary on some rank
+        caught up to the step there and sent the step's statistics; this rank went on past the
+        boundary instead. Before any collective of the next micro-batch (which that rank never
+        issues), send the statistics too: every rank learns of the failure, and raises ValueError."""
+        if not self._boundary_unchecked:
+            return
+        summed = self._step_statistics()
+        if summed.failure_disagrees:
+            self.stage.polluted = summed.failure_disagrees
+            raise ValueError(summed.failure_disagrees)
 
     @torch.no_grad()
     def step(self) -> bool:
@@ -367,6 +387,7 @@ class ZeroEngine:
         """The step's one statistics all-reduce (grad_stats.py); it carries the micro-batch of this
         step at which this rank's forward or backward raised, which is then forgotten."""
         failed_at, self._failed_at = self._failed_at, 0
+        self._boundary_unchecked = False
         with torch.no_grad():
             return self.grad_stats.step_statistics(self.optimizer, self.frozen, failed_at, self._ranks_summed)
 
@@ -422,6 +443,7 @@ class ZeroEngine:
         self.stage.zero_grads()
         self.stage.polluted = None
         self.micro_step = 0
+        self._boundary_unchecked = False
 
     def _check_clean(self) -> None:
         if self.stage.polluted:
