@@ -43,6 +43,11 @@ def _doomed_rank(rank, world_size, port, mode, out_dir):
             engine.step()
         except Exception as err:   # noqa: BLE001 - the test inspects whatever was raised
             result = (type(err).__name__, str(err), time.monotonic() - start)
+            try:   # the ranks may now be at different points: the engine must refuse to go on
+                engine.zero_grad()
+                result += ("zero_grad went on",)
+            except RuntimeError as refused:
+                result += (str(refused),)
             Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
             os._exit(0)
     Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(None))
@@ -60,8 +65,9 @@ def test_dead_or_stuck_rank_fails_the_others_within_the_timeout(tmp_path, mode):
     for p in procs:
         p.kill()
     for r in (0, 2):
-        name, message, elapsed = pickle.loads(Path(tmp_path, f"{r}.pkl").read_bytes())
+        name, message, elapsed, afterwards = pickle.loads(Path(tmp_path, f"{r}.pkl").read_bytes())
         assert name == "CollectiveError" and "did not complete" in message, message
+        assert "cannot go on" in afterwards, afterwards
         assert elapsed < TIMEOUT_S + 5, elapsed
         if mode == "hangs":
             assert f"within {TIMEOUT_S:g} s" in message and elapsed >= TIMEOUT_S - 0.5

@@ -354,9 +354,12 @@ class Comm:
                 self.gather_group = self.reduce_group
         self.reduce_stream = SideStream(device)   # where reductions are waited on and followed up
         self.issued = 0                           # collectives started so far (their numbers in a trace)
+        self.failed = False                       # a collective did not complete: see _retire
 
     def _retire(self) -> None:
-        """A collective failed: later engines must not reuse these channels."""
+        """A collective failed: later engines must not reuse these channels, and this Comm's ranks
+        may be at different points of their sequences, so its engine cannot go on (`failed`)."""
+        self.failed = True
         if self._channels is not None and self._channels in _CHANNELS \
                 and _CHANNELS[self._channels][1][2] is self.control_group:
             del _CHANNELS[self._channels]

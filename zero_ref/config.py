@@ -59,6 +59,8 @@ class ZeroConfig:
             `engine.skipped_steps`. (fp16 always skips and lowers the loss scale.)
         comm_timeout_s: the longest any collective may take before every waiting rank raises
             CollectiveError (a dead or stuck peer); on NCCL the process group's timeout applies.
+            The engine then refuses every further call but close, memory_report and comm_stats
+            (RuntimeError): its ranks may be at different points of a step.
         initial_loss_scale, loss_scale_growth_interval, min_loss_scale: fp16 dynamic loss scaling:
             the scale halves on overflow (that step is skipped on every rank) and doubles after
             `loss_scale_growth_interval` clean steps.

@@ -453,6 +453,10 @@ class ZeroEngine:
         if self.closed:
             raise RuntimeError("this ZeroEngine was closed (engine.close()): its hooks are gone, it can no "
                                "longer train, save or report; build a new one with zero_ref.initialize")
+        if self.comm.failed or (self.mp_comm is not None and self.mp_comm.failed):
+            raise RuntimeError("a collective of this ZeroEngine did not complete earlier (CollectiveError): its "
+                               "ranks may be at different points of a step, so it cannot go on. Build a new "
+                               "engine with zero_ref.initialize (and load the last checkpoint to resume)")
 
     # --- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self, path, keep: int = 2, lr_scheduler=None):
