@@ -576,3 +576,79 @@ def test_stage3_without_overlap_survives_data_that_leaves_a_unit_out_on_some_ran
     for rank, out in enumerate(spawn(_stage3_without_overlap, 3, timeout=240)):
         for name, state in out.items():
             assert state_error(state, refs[name]) < ATOL, (rank, name)
+
+
+def _gan_parts():
+    torch.manual_seed(1)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    torch.manual_seed(2)
+    discriminator = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return generator, discriminator
+
+
+def _gan_batch(i: int, world: int):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(2 * world, 8, generator=g), torch.randn(2 * world, 4, generator=g)
+
+
+def _gan_losses(generator, discriminator, real, noise):
+    """The discriminator's loss (on a detached fake) and the generator's (through the discriminator)."""
+    softplus = torch.nn.functional.softplus
+    d_loss = lambda: softplus(-discriminator(real)).mean() + softplus(discriminator(generator(noise).detach())).mean()
+    g_loss = lambda: softplus(-discriminator(generator(noise))).mean()
+    return d_loss, g_loss
+
+
+def _gan(rank: int, world: int) -> dict:
+    """Two engines over the same ranks, as a GAN trains: the discriminator's step, then the
+    generator's, whose loss runs through the discriminator with its parameters frozen."""
+    import zero_ref
+
+    out = {}
+    for stage in STAGES:
+        generator, discriminator = _gan_parts()
+        config = cfg(stage)
+        with zero_ref.initialize(generator, config) as g_engine, zero_ref.initialize(discriminator, config) as d_engine:
+            try:
+                for i in range(3):
+                    real, noise = (t.chunk(world)[rank] for t in _gan_batch(i, world))
+                    d_loss, g_loss = _gan_losses(g_engine, d_engine, real, noise)
+                    d_engine.backward(d_loss())
+                    d_engine.step()
+                    discriminator.requires_grad_(False)
+                    g_engine.backward(g_loss())
+                    g_engine.step()
+                    discriminator.requires_grad_(True)
+                out[stage] = {**{f"g.{k}": v for k, v in g_engine.full_state_dict().items()},
+                              **{f"d.{k}": v for k, v in d_engine.full_state_dict().items()}}
+            except RuntimeError as err:
+                out[stage] = str(err)
+    return out
+
+
+def test_two_engines_train_a_gan_or_say_why_not():
+    """Stages 0-2: exact against two AdamWs. Stage 3 gathers the discriminator's parameters for any
+    backward through it, which only its own engine.backward may run: a RuntimeError that names
+    the case and the ways out, not a bare-backward message that blames loss.backward()."""
+    world = 2
+    generator, discriminator = _gan_parts()
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.01) for m in (generator, discriminator)]
+    for i in range(3):
+        real, noise = _gan_batch(i, world)
+        parts = list(zip(real.chunk(world), noise.chunk(world)))
+        losses = [_gan_losses(generator, discriminator, r, z) for r, z in parts]
+        (sum(d() for d, _ in losses) / world).backward()
+        optimizers[1].step()
+        optimizers[1].zero_grad()
+        discriminator.requires_grad_(False)
+        (sum(g() for _, g in losses) / world).backward()
+        optimizers[0].step()
+        optimizers[0].zero_grad()
+        discriminator.requires_grad_(True)
+    reference = {**{f"g.{k}": v for k, v in generator.state_dict().items()},
+                 **{f"d.{k}": v for k, v in discriminator.state_dict().items()}}
+    for rank, result in enumerate(spawn(_gan, world, timeout=240)):
+        for stage in range(3):
+            assert not isinstance(result[stage], str), (rank, stage, result[stage])
+            assert state_error(result[stage], reference) < ATOL, (rank, stage)
+        assert isinstance(result[3], str) and "another engine" in result[3] and "GAN" in result[3], result[3]

@@ -86,6 +86,16 @@ def build_units(model: nn.Module, trainable: list[nn.Parameter], unit_numel: int
     return units
 
 
+FOREIGN_BACKWARD = (
+    "stage 3: a backward outside this engine's engine.backward(loss) reached one of its modules, whose "
+    "parameters that backward needs gathered. Either loss.backward() was called instead of "
+    "engine.backward(loss), or this model's output is part of a loss that another engine (or plain autograd) "
+    "differentiates, as a GAN's discriminator is in the generator's loss. At stage 3 a model takes part in "
+    "backward only through its own engine.backward: put both models in one engine, or give this one stage "
+    "0-2 (frozen with requires_grad_(False) for that backward, it then needs nothing). The gradients "
+    "accumulated since the last step are not usable: engine.zero_grad() discards them")
+
+
 def _internal(method):
     """Mark a hook body as the stage's own code, which the external-use watcher does not watch."""
     @functools.wraps(method)
@@ -305,7 +315,7 @@ class Stage3(Stage):
     @_internal
     def _before_backward(self, units: tuple[int, ...]) -> None:
         """Runs when the gradient of a unit root's output is ready, before the root's backward."""
-        self.check_in_backward()
+        self.check_in_backward(FOREIGN_BACKWARD)
         for g in units:
             self.backward_schedule.acquire(g, held=self.state[g] is not UnitState.FREED)
             self._wait(g)

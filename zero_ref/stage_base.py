@@ -72,11 +72,11 @@ class Stage:
         self.in_backward = False           # set by the engine around loss.backward()
         self.polluted: str | None = None   # why the gradients since the last step are unusable
 
-    def check_in_backward(self) -> None:
+    def check_in_backward(self, why: str = BARE_BACKWARD) -> None:
         """Called by every gradient hook: refuse a backward the engine did not start."""
         if not self.in_backward:
-            self.polluted = BARE_BACKWARD
-            raise RuntimeError(BARE_BACKWARD)
+            self.polluted = why
+            raise RuntimeError(why)
 
     # --- around forward and backward -------------------------------------------------------------
     def forward_context(self):
