@@ -652,3 +652,48 @@ def test_two_engines_train_a_gan_or_say_why_not():
             assert not isinstance(result[stage], str), (rank, stage, result[stage])
             assert state_error(result[stage], reference) < ATOL, (rank, stage)
         assert isinstance(result[3], str) and "another engine" in result[3] and "GAN" in result[3], result[3]
+
+
+def _others_do_not_step(rank: int, world: int) -> dict:
+    """Rank 1's backward raises at the second batch; the others' succeeds, and at that boundary
+    they call zero_grad or full_state_dict instead of step. Every loop drops the batch and goes on."""
+    import zero_ref
+
+    batches = token_batches(4, BATCH)
+    out = {}
+    for call in ("zero_grad", "full_state_dict"):
+        for stage in STAGES:
+            model = _FailsMidBackward()
+            with zero_ref.initialize(model, cfg(stage, comm_timeout_s=60)) as engine:
+                raised = []
+                for step, tokens in enumerate(batches):
+                    part = local(tokens, rank, world)
+                    logits = engine(part)
+                    if step == 1 and rank == 1:
+                        logits.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("out of memory")))
+                    try:
+                        engine.backward(lm_loss(logits, part))
+                        if step == 1:
+                            getattr(engine, call)()
+                            engine.zero_grad()
+                            continue
+                        engine.step()
+                    except ValueError:
+                        raised.append(step)
+                        engine.zero_grad()
+                out[call, stage] = raised, engine.full_state_dict()
+    return out
+
+
+def test_ranks_that_reach_the_boundary_and_do_not_step_still_learn_of_a_failure():
+    """The failing rank sends the step's statistics at the boundary; the others send them too before
+    their next collective, whatever it is: full_state_dict raises ValueError as a step would, and
+    zero_grad (which drops the step anyway) just goes on. Before, the others' gathers or next
+    reductions waited for the failing rank until comm_timeout_s, or paired with its next ones."""
+    batches = token_batches(4, BATCH)
+    ref = reference(_FailsMidBackward, [t for step, t in enumerate(batches) if step != 1], 3)
+    for rank, result in enumerate(spawn(_others_do_not_step, 3, timeout=600)):
+        for (call, stage), (raised, state) in result.items():
+            expected = [1] if rank == 1 or call == "full_state_dict" else []
+            assert raised == expected, (rank, call, stage, raised)
+            assert state_error(state, ref) < ATOL, (rank, call, stage)

@@ -329,15 +329,16 @@ class ZeroEngine:
             raise ValueError(f"engine.backward raised on this rank ({type(err).__name__}: {first_line}); "
                              f"{summed.failure_disagrees}") from err
 
-    def _check_nobody_failed_at_the_boundary(self) -> None:
-        """Several backwards before one step: a backward that raised at a step boundary on some rank
-        caught up to the step there and sent the step's statistics; this rank went on past the
-        boundary instead. Before any collective of the next micro-batch (which that rank never
-        issues), send the statistics too: every rank learns of the failure, and raises ValueError."""
+    def _check_nobody_failed_at_the_boundary(self, discarding: bool = False) -> None:
+        """A backward that raised at a step boundary on some rank caught up to the step there and
+        sent the step's statistics; this rank reached the boundary and did not step, but went on
+        (another micro-batch, a collective call such as full_state_dict). Before any collective that
+        rank never issues, send the statistics too: every rank learns of the failure and raises
+        ValueError; or, `discarding` the step (zero_grad, load_checkpoint), just goes on."""
         if not self._boundary_unchecked:
             return
         summed = self._step_statistics()
-        if summed.failure_disagrees:
+        if summed.failure_disagrees and not discarding:
             self.stage.polluted = summed.failure_disagrees
             raise ValueError(summed.failure_disagrees)
 
@@ -440,6 +441,7 @@ class ZeroEngine:
     def zero_grad(self) -> None:
         """Discard the gradients accumulated since the last step (also after a bare loss.backward())."""
         self._check_open()
+        self._check_nobody_failed_at_the_boundary(discarding=True)
         self.stage.zero_grads()
         self.stage.polluted = None
         self.micro_step = 0
@@ -464,14 +466,16 @@ class ZeroEngine:
         with the parameter groups' hyper-parameters and, if given, `lr_scheduler`'s state. Returns the
         new checkpoint's folder; `path/latest` names it once it is complete."""
         self._check_open()
+        self._check_nobody_failed_at_the_boundary()
         self._adopt_param_writes()
         return checkpoint.save_checkpoint(self, self._mp_path(path), keep, lr_scheduler)
 
     def load_checkpoint(self, path, lr_scheduler=None) -> None:
         """Load a checkpoint written at any world size and stage (every rank calls it), and the state
         of `lr_scheduler` if given. Every rank verifies what it reads, then all vote: a failure
-        anywhere changes nothing anywhere."""
+        anywhere changes nothing anywhere. The step in progress, if any, is dropped."""
         self._check_open()
+        self._check_nobody_failed_at_the_boundary(discarding=True)
         checkpoint.load_checkpoint(self, self._mp_path(path), lr_scheduler)
 
     def _mp_path(self, path):
@@ -502,6 +506,7 @@ class ZeroEngine:
         model's, no unknown key, and the same values on every rank; a state dict refused on one rank
         is refused on every rank (state_dict.py)."""
         self._check_open()
+        self._check_nobody_failed_at_the_boundary()
         state_dict_io.load_state_dict(self, state_dict)
 
     def full_state_dict(self, rank0_only: bool = False, device: str | torch.device = "cpu"
@@ -511,6 +516,7 @@ class ZeroEngine:
         calls it. Groups are gathered one at a time, so the engine's device holds at most one full
         group beyond its shards; with `rank0_only` the other ranks return {} and hold no copy."""
         self._check_open()
+        self._check_nobody_failed_at_the_boundary()
         self._adopt_param_writes()
         return state_dict_io.full_state_dict(self, rank0_only, torch.device(device))
 
