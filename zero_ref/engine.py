@@ -47,8 +47,8 @@ compute and communication waits (experiments/throughput.py).
   differs over the ranks, every rank raises ValueError (the failing ones from backward, the others
   from step) before anything is updated, and `zero_grad()` on every rank puts them in step again;
   if every rank failed at the same micro-batch, the error goes on and a retry is exact. Ranks that
-  go on past a step boundary without a step (several backwards before one step) send the statistics
-  before their next micro-batch's first collective, so they learn of a failure at that boundary
+  reach a step boundary and do not step (several backwards before one step, a full_state_dict
+  first) send the statistics before their next collective call, so they learn of a failure there
   (`_check_nobody_failed_at_the_boundary`); the statistics have their own channel (comm.py), so
   a rank that waits there never pairs them with another rank's gradient bucket. A forward
   (with gradients enabled) that raised is recorded the same way. At stage 3 a forward that raises
