@@ -95,10 +95,12 @@ def _sequence(rank: int, world: int, make, stage: int, seed: int, folder: str) -
                 assert micro > 0, "refused between steps"
         elif call == "load" and saved is not None:
             engine.load_checkpoint(folder, lr_scheduler=schedules[0])   # mid-step too: the step is dropped
+            # a copy each time: torch's load_state_dict keeps the given step and moment tensors, which
+            # the next step updates in place, so a second load of the same dict would restore those
             reference.load_state_dict(saved[0])
-            optimizer.load_state_dict(saved[1])
+            optimizer.load_state_dict(copy.deepcopy(saved[1]))
             if schedules[1] is not None:
-                schedules[1].load_state_dict(saved[2])
+                schedules[1].load_state_dict(copy.deepcopy(saved[2]))
             optimizer.zero_grad()
             micro = 0
         elif call == "load_state_dict" and micro == 0:
