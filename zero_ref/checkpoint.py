@@ -243,7 +243,6 @@ def _apply(engine, read: dict) -> None:
     engine.scaler.load_state_dict(manifest["scaler"])
     engine.micro_step = 0
     engine._failed_at = 0   # a forward that raised before the load belongs to the step the load replaced
-    engine._boundary_unchecked = False
     stage.polluted = None
 
 

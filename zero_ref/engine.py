@@ -338,7 +338,14 @@ class ZeroEngine:
         if not self._boundary_unchecked:
             return
         summed = self._step_statistics()
-        if summed.failure_disagrees and not discarding:
+        if not discarding:
+            self._refuse_if_the_ranks_failed_apart(summed)
+
+    def _refuse_if_the_ranks_failed_apart(self, summed: StepStatistics) -> None:
+        """ValueError if the statistics say a forward or backward raised on some ranks only (or at
+        other micro-batches); the gradients stay unusable until zero_grad, as on the ranks whose
+        backward raised. Checked first wherever statistics are read: it is told only once."""
+        if summed.failure_disagrees:
             self.stage.polluted = summed.failure_disagrees
             raise ValueError(summed.failure_disagrees)
 
@@ -354,9 +361,7 @@ class ZeroEngine:
         self.optimizer._opt_called = True   # what torch's lr_schedulers look for: "the optimizer stepped"
         stage, optimizer = self.stage, self.stage.optimizer
         summed = self._step_statistics()
-        if summed.failure_disagrees:   # first: it is told only once
-            stage.polluted = summed.failure_disagrees   # zero_grad first, as on the ranks whose backward raised
-            raise ValueError(summed.failure_disagrees)
+        self._refuse_if_the_ranks_failed_apart(summed)
         if summed.detached_anywhere:
             raise RuntimeError(detached_message(self.module, self.dtype, summed.detached, summed.unfrozen))
         if summed.hyper_error or summed.disagreement:
@@ -445,7 +450,6 @@ class ZeroEngine:
         self.stage.zero_grads()
         self.stage.polluted = None
         self.micro_step = 0
-        self._boundary_unchecked = False
 
     def _check_clean(self) -> None:
         if self.stage.polluted:
