@@ -335,8 +335,8 @@ def _fig8_batch_order_text(frame: pd.DataFrame) -> str:
     configs = list(runs.index)
     printed = [int(b) for b in runs.batch_per_gpu]
     largest = {c: int(runs.largest_batch_32gb[c]) for c in configs}
-    fitting = sorted({order for order in itertools.permutations(printed)
-                      if all(b <= largest[c] for c, b in zip(configs, order))})
+    readings = set(itertools.permutations(printed))
+    fitting = {order for order in readings if all(b <= largest[c] for c, b in zip(configs, order))}
     reading = lambda order: ", ".join(f"{c} {b}" for c, b in zip(configs, order))
     too_big = [f"{c} (batch {b}, at most {largest[c]} fits)" for c, b in zip(configs, printed) if b > largest[c]]
     text = (f"The appendix prints the 60B batches in one cell ({', '.join(map(str, printed))}), read as C1..C5 in "
@@ -346,12 +346,14 @@ def _fig8_batch_order_text(frame: pd.DataFrame) -> str:
     by_saving = sorted(configs, key=lambda c: largest[c])   # least memory saved first
     in_saving_order = tuple(dict(zip(by_saving, printed))[c] for c in configs)
     text += (f"Read so, {'; '.join(too_big)} cannot run, though the paper ran it: {len(fitting)} of the "
-             f"{len(set(itertools.permutations(printed)))} distinct readings let every configuration fit")
+             f"{len(readings)} distinct readings let every configuration fit")
     if in_saving_order in fitting:
-        sizes = {r["config"]: r["fig_max_model_size_params_B"] for r in rows("configs_c1_c5.csv")}
+        sizes = {r["config"]: float(r["fig_max_model_size_params_B"]) for r in rows("configs_c1_c5.csv")}
+        alike = sorted(configs, key=sizes.get) == by_saving
         text += (f", among them the cell read in the order of the memory each configuration saves "
-                 f"({', '.join(by_saving)}; the paper's largest models per configuration rank them alike: "
-                 f"{', '.join(f'{sizes[c]}B' for c in by_saving)}): {reading(in_saving_order)}")
+                 f"({', '.join(by_saving)}; the paper's largest models per configuration rank them "
+                 f"{'alike' if alike else 'otherwise'}: {', '.join(f'{sizes[c]:g}B' for c in by_saving)}): "
+                 f"{reading(in_saving_order)}")
     return text + ". The projection keeps runs.csv's reading; the paper does not say which it is."
 
 
