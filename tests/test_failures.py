@@ -73,6 +73,47 @@ def test_dead_or_stuck_rank_fails_the_others_within_the_timeout(tmp_path, mode):
             assert f"within {TIMEOUT_S:g} s" in message and elapsed >= TIMEOUT_S - 0.5
 
 
+def _step_fails_on_rank_1(rank, world_size, stage):
+    """Rank 1's optimizer raises (as an out-of-memory would) in the second step, after the ranks
+    agreed to update; what each rank sees then, and whether its engine goes on."""
+    engine = zero_ref.initialize(AwkwardNet(), zero_ref.ZeroConfig(stage=stage, lr=1e-2, kernels="torch",
+                                                                   comm_timeout_s=TIMEOUT_S))
+    seen = []
+    for step, (tokens,) in enumerate(global_batches(3, 1, 12)):
+        if step == 1 and rank == 1:
+            def out_of_memory(*args, **kwargs):
+                raise RuntimeError("out of memory (simulated)")
+            engine.stage.optimizer.step = out_of_memory
+        local = tokens.chunk(world_size)[rank]
+        try:
+            engine.backward(loss_fn(engine(local), local))
+            seen.append(("stepped", engine.step()))
+        except Exception as err:   # noqa: BLE001 - the test inspects whatever was raised
+            seen.append((type(err).__name__, str(err)))
+            break
+    try:
+        engine.zero_grad()
+        seen.append(("zero_grad went on", ""))
+    except RuntimeError as refused:
+        seen.append(("refused", str(refused)))
+    return seen
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_step_that_raises_on_one_rank_while_updating_stops_every_rank(stage):
+    """No rank goes on with a partly updated model: the failing rank raises its error, then refuses
+    every call; the others raise CollectiveError within the timeout (in that step's regather at
+    stages 1-2, in the next step's first collective at stages 0 and 3), then refuse too."""
+    others, failing = spawn(_step_fails_on_rank_1, 2, stage)
+    assert failing[:2] == [("stepped", True), ("RuntimeError", "out of memory (simulated)")], failing
+    assert failing[2][0] == "refused" and "partly updated" in failing[2][1] and "step 2" in failing[2][1], failing
+    assert others[0] == ("stepped", True)
+    updated_before_failing = [("stepped", True)] if stage in (0, 3) else []
+    assert others[1:-2] == updated_before_failing, others
+    assert others[-2][0] == "CollectiveError", others
+    assert others[-1][0] == "refused" and "cannot go on" in others[-1][1], others
+
+
 def _nonfinite(rank, world_size):
     out = {}
     for mode in ("error", "skip"):

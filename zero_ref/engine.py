@@ -40,21 +40,9 @@ compute and communication waits (experiments/throughput.py).
   returns False, so calling it twice never updates twice.
 * Several backwards before a step accumulate, at every stage alike: the update uses the sum of
   their gradients, as torch's optimizers do.
-* A backward that raises on this rank may not raise on the others, which go on issuing
-  collectives; so the failing rank issues the same ones before it re-raises: the rest of that
-  backward's, the step's remaining micro-batches' (as backwards in which no gradient arrives), then
-  the step's statistics, which carry the micro-batch at which each rank's backward raised. If that
-  differs over the ranks, every rank raises ValueError (the failing ones from backward, the others
-  from step) before anything is updated, and `zero_grad()` on every rank puts them in step again;
-  if every rank failed at the same micro-batch, the error goes on and a retry is exact. Ranks that
-  reach a step boundary and do not step (several backwards before one step, a full_state_dict
-  first) send the statistics before their next collective call, so they learn of a failure there
-  (`_check_nobody_failed_at_the_boundary`); the statistics have their own channel (comm.py), so
-  a rank that waits there never pairs them with another rank's gradient bucket. A forward
-  (with gradients enabled) that raised is recorded the same way. At stage 3 a forward that raises
-  on some ranks raises on every rank (stage3.py), so every rank skips or retries alike; at stages
-  0-2 (no collective in forward) a rank that skips the batch alone is caught by the step's
-  statistics: ValueError on every rank, nothing updated (it is then a batch ahead of the others).
+* A forward, backward or step that raises on some ranks only: every rank raises at the same call
+  (ValueError, nothing updated; `zero_grad()` on every rank puts them in step again), or, where a
+  step raised while updating, the engine refuses to go on (step_failures.py).
 * A bare `loss.backward()` reaches the engine's gradient hooks outside `engine.backward` and
   raises RuntimeError there (it would skip the loss scale and the reductions); the engine then
   refuses to step until `engine.zero_grad()` discards the gradients accumulated since the last step.
@@ -87,10 +75,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import activations, checkpoint, materialize
+from . import activations, checkpoint, materialize, step_failures
 from . import state_dict as state_dict_io
 from .param_groups import ZeroOptimizer, build_groups
-from .comm import CollectiveError, Comm, CommLedger, label
+from .comm import Comm, CommLedger, label
 from .config import ZeroConfig
 from .grad_stats import GradStats, StepStatistics, detached_message
 from .precision import LossScaler
@@ -191,6 +179,7 @@ class ZeroEngine:
         self.mp_comm = Comm(mp_group, self.ledger, device, config.comm_timeout_s) \
             if mp_group is not None and dist.get_world_size(mp_group) > 1 else None
         self.closed = False
+        self.broken: str | None = None   # why this engine cannot go on (step_failures.step_raised)
         trainable = [p for p in params if p.requires_grad]
         self.frozen = [p for p in params if not p.requires_grad]
         defaults = {"lr": config.lr, "betas": config.betas, "eps": config.eps, "weight_decay": config.weight_decay}
@@ -245,7 +234,7 @@ class ZeroEngine:
     def __call__(self, *args, **kwargs):
         """The model's forward. Floating-point tensor inputs are cast to the model dtype."""
         self._check_open()
-        self._check_nobody_failed_at_the_boundary()
+        step_failures.check_nobody_failed_at_the_boundary(self)
         self._broadcast_buffers()
         cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         args, kwargs = tree_map(cast, (args, kwargs))
@@ -254,7 +243,7 @@ class ZeroEngine:
                 return self.module(*args, **kwargs)
             except BaseException:   # a rank that skips this micro-batch must not pass unnoticed
                 if torch.is_grad_enabled():
-                    self._failed_at = self.micro_step % self.config.grad_accum_steps + 1
+                    step_failures.forward_raised(self)
                 raise
 
     forward = __call__
@@ -278,7 +267,7 @@ class ZeroEngine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects the scalar loss tensor of this micro-batch")
         self._check_clean()
-        self._check_nobody_failed_at_the_boundary()
+        step_failures.check_nobody_failed_at_the_boundary(self)
         self.micro_step += 1
         boundary = self.at_boundary
         stage = self.stage
@@ -291,63 +280,10 @@ class ZeroEngine:
                 stage.end_backward(boundary)
             self._boundary_unchecked = boundary
         except BaseException as err:   # some gradients may be in, some reductions not: refuse to step
-            self._failed_at = (self.micro_step - 1) % self.config.grad_accum_steps + 1
-            stage.polluted = stage.polluted or (
-                f"engine.backward raised {type(err).__name__}: the gradients since the last step are "
-                "incomplete; engine.zero_grad() discards them")
-            if isinstance(err, Exception) and not isinstance(err, CollectiveError):
-                self._finish_step_after_failure(err)   # raises ValueError if the failure was not every rank's
+            step_failures.backward_raised(self, err)   # raises ValueError if the failure was not every rank's
             raise
         finally:
             stage.in_backward = False
-
-    def _finish_step_after_failure(self, err: Exception) -> None:
-        """This rank's backward raised; the other ranks' may not have, and they go on issuing
-        collectives. Issue the same ones, in the order every rank shares: the rest of this backward's
-        (stage 3's gathers, the reductions of groups not launched yet), those of the step's
-        remaining micro-batches as backwards in which no gradient arrives, then the step's
-        statistics with this failure in them. So the ranks' collectives keep pairing up, and every
-        rank learns whether the failure was everyone's, at the same micro-batch: if so, `err` goes
-        on (engine.zero_grad() and the same micro-batch again is exact); if not, ValueError here and
-        from step() on the others, nothing updated anywhere. If a collective fails on the way (a
-        peer is gone), `err` goes on with a note."""
-        stage = self.stage
-        try:
-            stage.end_backward(self.at_boundary, failed=True)
-            while not self.at_boundary:
-                self.micro_step += 1
-                self._broadcast_buffers()
-                stage.idle_forward()
-                stage.begin_backward(self.at_boundary)
-                stage.end_backward(self.at_boundary, failed=True)
-            summed = self._step_statistics()
-        except CollectiveError as comm_err:
-            err.add_note(f"zero-ref could not keep the other ranks in step after this error: {comm_err}")
-            return
-        if summed.failure_disagrees:
-            first_line = (str(err).splitlines() or [""])[0][:200]
-            raise ValueError(f"engine.backward raised on this rank ({type(err).__name__}: {first_line}); "
-                             f"{summed.failure_disagrees}") from err
-
-    def _check_nobody_failed_at_the_boundary(self, discarding: bool = False) -> None:
-        """A backward that raised at a step boundary on some rank caught up to the step there and
-        sent the step's statistics; this rank reached the boundary and did not step, but went on
-        (another micro-batch, a collective call such as full_state_dict). Before any collective that
-        rank never issues, send the statistics too: every rank learns of the failure and raises
-        ValueError; or, `discarding` the step (zero_grad, load_checkpoint), just goes on."""
-        if not self._boundary_unchecked:
-            return
-        summed = self._step_statistics()
-        if not discarding:
-            self._refuse_if_the_ranks_failed_apart(summed)
-
-    def _refuse_if_the_ranks_failed_apart(self, summed: StepStatistics) -> None:
-        """ValueError if the statistics say a forward or backward raised on some ranks only (or at
-        other micro-batches); the gradients stay unusable until zero_grad, as on the ranks whose
-        backward raised. Checked first wherever statistics are read: it is told only once."""
-        if summed.failure_disagrees:
-            self.stage.polluted = summed.failure_disagrees
-            raise ValueError(summed.failure_disagrees)
 
     @torch.no_grad()
     def step(self) -> bool:
@@ -361,7 +297,7 @@ class ZeroEngine:
         self.optimizer._opt_called = True   # what torch's lr_schedulers look for: "the optimizer stepped"
         stage, optimizer = self.stage, self.stage.optimizer
         summed = self._step_statistics()
-        self._refuse_if_the_ranks_failed_apart(summed)
+        step_failures.refuse_if_the_ranks_failed_apart(self, summed)
         if summed.detached_anywhere:
             raise RuntimeError(detached_message(self.module, self.dtype, summed.detached, summed.unfrozen))
         if summed.hyper_error or summed.disagreement:
@@ -378,11 +314,15 @@ class ZeroEngine:
         if self.config.grad_clip is not None:
             norm = math.sqrt(sum_sq) / self.scaler.scale
             grad_scale *= min(1.0, self.config.grad_clip / (norm + 1e-6))
-        with label("zero_ref.optimizer"):
-            optimizer.step(grads, grad_scale, [u > 0 for u in used], self.optimizer.group_of, summed.hyper,
-                           stage.segment_updated)
-        with label("zero_ref.after_update"):
-            stage.after_update()
+        try:
+            with label("zero_ref.optimizer"):
+                optimizer.step(grads, grad_scale, [u > 0 for u in used], self.optimizer.group_of, summed.hyper,
+                               stage.segment_updated)
+            with label("zero_ref.after_update"):
+                stage.after_update()
+        except BaseException as err:
+            step_failures.step_raised(self, err)
+            raise
         stage.note_param_writes()
         self._clear_step()
         self.scaler.update(found_overflow=False, step=self.global_step + self._skipped_steps + 1)
@@ -446,7 +386,7 @@ class ZeroEngine:
     def zero_grad(self) -> None:
         """Discard the gradients accumulated since the last step (also after a bare loss.backward())."""
         self._check_open()
-        self._check_nobody_failed_at_the_boundary(discarding=True)
+        step_failures.check_nobody_failed_at_the_boundary(self, discarding=True)
         self.stage.zero_grads()
         self.stage.polluted = None
         self.micro_step = 0
@@ -459,6 +399,8 @@ class ZeroEngine:
         if self.closed:
             raise RuntimeError("this ZeroEngine was closed (engine.close()): its hooks are gone, it can no "
                                "longer train, save or report; build a new one with zero_ref.initialize")
+        if self.broken:
+            raise RuntimeError(self.broken)
         if self.comm.failed or (self.mp_comm is not None and self.mp_comm.failed):
             raise RuntimeError("a collective of this ZeroEngine did not complete earlier (CollectiveError): its "
                                "ranks may be at different points of a step, so it cannot go on. Build a new "
@@ -470,7 +412,7 @@ class ZeroEngine:
         with the parameter groups' hyper-parameters and, if given, `lr_scheduler`'s state. Returns the
         new checkpoint's folder; `path/latest` names it once it is complete."""
         self._check_open()
-        self._check_nobody_failed_at_the_boundary()
+        step_failures.check_nobody_failed_at_the_boundary(self)
         self._adopt_param_writes()
         return checkpoint.save_checkpoint(self, self._mp_path(path), keep, lr_scheduler)
 
@@ -479,7 +421,7 @@ class ZeroEngine:
         of `lr_scheduler` if given. Every rank verifies what it reads, then all vote: a failure
         anywhere changes nothing anywhere. The step in progress, if any, is dropped."""
         self._check_open()
-        self._check_nobody_failed_at_the_boundary(discarding=True)
+        step_failures.check_nobody_failed_at_the_boundary(self, discarding=True)
         checkpoint.load_checkpoint(self, self._mp_path(path), lr_scheduler)
 
     def _mp_path(self, path):
@@ -510,7 +452,7 @@ class ZeroEngine:
         model's, no unknown key, and the same values on every rank; a state dict refused on one rank
         is refused on every rank (state_dict.py)."""
         self._check_open()
-        self._check_nobody_failed_at_the_boundary()
+        step_failures.check_nobody_failed_at_the_boundary(self)
         state_dict_io.load_state_dict(self, state_dict)
 
     def full_state_dict(self, rank0_only: bool = False, device: str | torch.device = "cpu"
@@ -520,7 +462,7 @@ class ZeroEngine:
         calls it. Groups are gathered one at a time, so the engine's device holds at most one full
         group beyond its shards; with `rank0_only` the other ranks return {} and hold no copy."""
         self._check_open()
-        self._check_nobody_failed_at_the_boundary()
+        step_failures.check_nobody_failed_at_the_boundary(self)
         self._adopt_param_writes()
         return state_dict_io.full_state_dict(self, rank0_only, torch.device(device))
 

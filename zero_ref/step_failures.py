@@ -1,0 +1,119 @@
+"""When a forward, backward or step raises on some ranks only: keep the ranks' collectives paired,
+and make every rank raise at the same call.
+
+A backward that raises on one rank may not raise on the others, which go on issuing collectives
+(gradient reductions, stage 3's gathers, the step's statistics). If the failing rank simply
+re-raised, the others would wait for it until `comm_timeout_s`, or worse, pair its next collective
+with one of theirs. So:
+
+1. Catch up (`finish_step_after_failure`): the failing rank issues the collectives the others
+   issue, in the order every rank shares: the rest of this backward's, those of the step's
+   remaining micro-batches (as backwards in which no gradient arrives), then the step's
+   statistics. The statistics carry the micro-batch at which this rank's forward or backward
+   raised (`engine._failed_at`; 0: none).
+2. Compare: the statistics are summed over the ranks, so every rank learns whether the failure was
+   everyone's, at the same micro-batch. If so the error goes on, and `engine.zero_grad()` and the
+   same micro-batch again is exact. If not, every rank raises ValueError (the failing ones from
+   backward, the others from step) before anything is updated, and `zero_grad()` on every rank
+   puts them in step again.
+3. Ranks that reach a step boundary and do not step (several backwards before one step, a
+   `full_state_dict` first) send the statistics before their next collective call
+   (`check_nobody_failed_at_the_boundary`), so they learn of a failure there. The statistics have
+   their own channel (comm.py), so a rank that waits there never pairs them with another rank's
+   gradient bucket.
+
+A forward (with gradients enabled) that raised is recorded the same way. At stage 3 a forward that
+raises on some ranks raises on every rank (stage3.py), so every rank skips or retries alike; at
+stages 0-2 (no collective in forward) a rank that skips the batch alone is caught by the step's
+statistics: ValueError on every rank, nothing updated (it is then a batch ahead of the others).
+
+A step that raises once the update has begun (`step_raised`: say the fused Adam runs out of memory
+on one rank) cannot be caught up: this rank's shard is partly updated and the others wait in the
+regather for it. This rank's engine refuses every later call with the reason; the others' regather
+raises CollectiveError within `comm_timeout_s`, after which their engines refuse too. Resume from the
+last checkpoint in a new engine.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .comm import CollectiveError
+from .grad_stats import StepStatistics
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+
+
+def forward_raised(engine: "ZeroEngine") -> None:
+    """Record that this step's forward (with gradients enabled) raised at the current micro-batch."""
+    engine._failed_at = engine.micro_step % engine.config.grad_accum_steps + 1
+
+
+def backward_raised(engine: "ZeroEngine", err: BaseException) -> None:
+    """This rank's backward raised `err`: refuse to step until zero_grad, and, for an ordinary
+    exception, catch up with the other ranks (raises ValueError if the failure was not every
+    rank's). A CollectiveError (a peer is gone) or a KeyboardInterrupt goes on as it is."""
+    stage = engine.stage
+    engine._failed_at = (engine.micro_step - 1) % engine.config.grad_accum_steps + 1
+    stage.polluted = stage.polluted or (
+        f"engine.backward raised {type(err).__name__}: the gradients since the last step are "
+        "incomplete; engine.zero_grad() discards them")
+    if isinstance(err, Exception) and not isinstance(err, CollectiveError):
+        finish_step_after_failure(engine, err)
+
+
+def finish_step_after_failure(engine: "ZeroEngine", err: Exception) -> None:
+    """Issue the collectives the other ranks issue until the step's statistics (step 1 above), then
+    raise ValueError if the failure was not every rank's at the same micro-batch (step 2). If a
+    collective fails on the way (a peer is gone), `err` goes on with a note."""
+    stage = engine.stage
+    try:
+        stage.end_backward(engine.at_boundary, failed=True)
+        while not engine.at_boundary:
+            engine.micro_step += 1
+            engine._broadcast_buffers()
+            stage.idle_forward()
+            stage.begin_backward(engine.at_boundary)
+            stage.end_backward(engine.at_boundary, failed=True)
+        summed = engine._step_statistics()
+    except CollectiveError as comm_err:
+        err.add_note(f"zero-ref could not keep the other ranks in step after this error: {comm_err}")
+        return
+    if summed.failure_disagrees:
+        first_line = (str(err).splitlines() or [""])[0][:200]
+        raise ValueError(f"engine.backward raised on this rank ({type(err).__name__}: {first_line}); "
+                         f"{summed.failure_disagrees}") from err
+
+
+def check_nobody_failed_at_the_boundary(engine: "ZeroEngine", discarding: bool = False) -> None:
+    """A backward that raised at a step boundary on some rank caught up to the step there and sent
+    the step's statistics; this rank reached the boundary and did not step, but went on (another
+    micro-batch, a collective call such as full_state_dict). Before any collective that rank never
+    issues, send the statistics too (step 3 above): every rank learns of the failure and raises
+    ValueError; or, `discarding` the step (zero_grad, load_checkpoint), just goes on."""
+    if not engine._boundary_unchecked:
+        return
+    summed = engine._step_statistics()
+    if not discarding:
+        refuse_if_the_ranks_failed_apart(engine, summed)
+
+
+def refuse_if_the_ranks_failed_apart(engine: "ZeroEngine", summed: StepStatistics) -> None:
+    """ValueError if the statistics say a forward or backward raised on some ranks only (or at
+    other micro-batches); the gradients stay unusable until zero_grad, as on the ranks whose
+    backward raised. Checked first wherever statistics are read: it is told only once."""
+    if summed.failure_disagrees:
+        engine.stage.polluted = summed.failure_disagrees
+        raise ValueError(summed.failure_disagrees)
+
+
+def step_raised(engine: "ZeroEngine", err: BaseException) -> None:
+    """step() raised after the ranks agreed to update: this engine can no longer go on. (A
+    CollectiveError is the other ranks' failure: the engine's channels refuse from now on, comm.py.)"""
+    if isinstance(err, CollectiveError):
+        return
+    engine.broken = (
+        f"engine.step() raised {type(err).__name__} on this rank while updating the parameters (global step "
+        f"{engine.global_step + 1}): its shards are partly updated and the other ranks cannot finish the "
+        "step without it. Build a new engine with zero_ref.initialize and load the last checkpoint")
