@@ -24,7 +24,7 @@ Every rank must hold the same values, or the shards of one model would take diff
 values (`agreement_stats`) to the step's one statistics all-reduce, and every rank reads the same
 sums, so all raise together, before anything changes, when the values differ (a scheduler stepped
 on some ranks only) or are invalid somewhere. The same slots carry the micro-batch of the step at
-which the rank's backward raised, if one did, which must agree too (engine.py).
+which the rank's backward raised, if one did, which must agree too (step_failures.py).
 """
 
 from __future__ import annotations

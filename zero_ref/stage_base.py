@@ -9,7 +9,7 @@ engine drives a step through this interface:
                                     stage 3 gathers through hooks on the model's modules)
     begin_backward / end_backward   around loss.backward() (inside backward_context()); on return
                                     every reduction the stage owes for this micro-batch has completed
-                                    (also after a backward that raised: engine.py)
+                                    (also after a backward that raised: step_failures.py)
     grad_segments                   this rank's gradient segments, aligned with the masters
     segment_updated(g)              the optimizer has written segment g (stages 1-2 start its gather)
     after_update                    wait for what segment_updated started
@@ -89,7 +89,7 @@ class Stage:
 
     def idle_forward(self) -> None:
         """Issue the collectives of a forward without running one: what a rank whose backward raised
-        does in place of each of the step's remaining micro-batches (engine.py); stage 3 gathers."""
+        does in place of each of the step's remaining micro-batches (step_failures.py); stage 3 gathers."""
 
     def begin_backward(self, boundary: bool) -> None:
         """Before loss.backward(); `boundary` is True on the last micro-batch of a step."""
