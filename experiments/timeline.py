@@ -10,7 +10,7 @@ model is built.
 
 What is read from the trace (nothing is timed by hand):
 
-* the engine's labels (comm.label, engine.py): the phases "zero_ref.forward/backward/optimizer/
+* the engine's labels (labels.py, engine.py): the phases "zero_ref.forward/backward/optimizer/
   after_update"; every collective's "zero_ref::issue <kind> #n" and "zero_ref.wait <kind> #n", and
   the stage's event around the issue ("zero_ref::gather unit g", "::reduce bucket g", "::regather
   bucket g", "::schedule round"); "zero_ref::free unit g", "::take bucket g", "::reduced bucket g";

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from zero_ref.comm import Pending, SideStream
+from zero_ref.in_flight import Pending, SideStream
 from zero_ref.grad_buffers import ShardedGradBuckets
 from zero_ref.partition import make_group
 

@@ -38,7 +38,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .comm import SideStream, all_gather_tensor
+from .comm import all_gather_tensor
+from .in_flight import SideStream
 from .tensor_parallel import group_rank, group_size
 
 MODES = ("plain", "pa", "pa_cpu")

@@ -20,9 +20,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .comm import Comm, label
+from .comm import Comm
 from .config import ZeroConfig
 from .grad_hooks import register_grad_hooks
+from .labels import label
 from .partition import GroupLayout, move_state, pack_into_buckets
 from .stage_base import Stage, pieces_of
 

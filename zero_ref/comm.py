@@ -31,17 +31,8 @@ Backend and waits are chosen by the device the engine's tensors live on, not by 
 asynchronously and waited on for at most `timeout_s`, on groups created with that timeout, so a dead
 or stuck peer turns into a CollectiveError instead of a hang. On CUDA (NCCL) `wait()` only makes the
 current stream wait: the host never blocks, and the NCCL groups the engine creates carry `timeout_s`,
-after which NCCL's watchdog aborts a collective that a peer never joined.
-
-Profiler labels (torch.autograd.profiler.record_function, made only while a profiler records; see
-`label`): "zero_ref.wait <kind> #<n>" wherever the host waits for collective number n of this Comm
-("zero_ref.wait <kind> settle" where it waits a bounded while for one to finish, `Pending.settle`),
-and "zero_ref::issue <kind> #<n> <elements> <bytes>" around the call that starts it, so a trace
-pairs every issue with its wait. The stages add "zero_ref::<event>" labels around the events of
-one step (a unit's gather and free, a bucket's reduction, a regather after the update); the
-walkthrough (experiments/timeline.py, docs/) reads a step's story from them. The engine's
-"zero_ref.<phase>" labels (one dot) name the phases; the events use two colons so that nothing
-that splits steps into phases mistakes them for one.
+after which NCCL's watchdog aborts a collective that a peer never joined. The waits themselves, and
+the CUDA side stream, are in in_flight.py; the profiler labels around issues and waits, labels.py.
 
 The ledger counts elements moved per rank the way the paper does (Sec 7): an all-reduce of n
 elements moves 2n (a reduce-scatter plus an all-gather); a reduce-scatter or an all-gather of a full
@@ -61,37 +52,21 @@ is made once, here.
 from __future__ import annotations
 
 import atexit
-import contextlib
-import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.autograd import _profiler_enabled
-from torch.autograd.profiler import record_function
 
 from .collective_count import counted_as
+from .in_flight import CollectiveError, DoneLocally, Pending, SideStream
+from .labels import label
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-
-_NOT_RECORDING = contextlib.nullcontext()
-
-
-def label(*parts):
-    """A profiler label named by `parts` joined with spaces while a profiler records, else a no-op.
-
-    record_function costs about 18 µs per use on a 2-core CPU even when no profiler runs (a no-op
-    context manager: 1 µs), and these labels sit on per-bucket and per-unit paths, so they are only
-    made when someone is looking. Behaviour never depends on them."""
-    if not _profiler_enabled():
-        return _NOT_RECORDING
-    return record_function(" ".join(map(str, parts)))
-
 
 @dataclass
 class CommLedger:
@@ -121,156 +96,10 @@ class CommLedger:
         return {"last_step": table(self.last_step), "cumulative": table(self.cumulative)}
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed or did not finish in time: another rank has probably died, raised, or
-    taken a different path through the program."""
-
-
-class Pending:
-    """A collective in flight. `wait()` blocks the host at most `timeout_s` seconds (gloo) or, with
-    `timeout_s=None` (NCCL), only makes the current CUDA stream wait; a failure becomes a
-    CollectiveError naming the collective.
-
-    `done()` asks the backend whether the collective has finished, without blocking. Some gloo work
-    never says so until someone waits for it (its native reduce-scatter's `Work.is_completed()` stays
-    False, measured on torch 2.13, though the data arrives), and `settle()` needs something to wait
-    on for a bounded time, so a caller that polls calls `watch()` first: a background thread then
-    waits, and `done()` turns True when that wait returns.
-
-    `then`, if given, runs once on the caller's thread after the first wait that succeeds: the part
-    of a collective done locally once the data has arrived (the sum of a reduce-scatter made of an
-    all-to-all), so whoever waits sees the finished result.
-    """
-
-    def __init__(self, work, what: str, rank: int, timeout_s: float | None, on_failure=None, seq: int | None = None,
-                 then=None):
-        self.work, self.what, self.rank, self.timeout_s = work, what, rank, timeout_s
-        self.on_failure = on_failure
-        self.then = then   # run once, on the waiting thread, after the first wait that succeeds
-        self.seq = seq   # the collective's number on its Comm (pairs the wait with the issue in a trace)
-        self._watcher: threading.Thread | None = None
-        self._watch_error: BaseException | None = None
-
-    def watch(self) -> "Pending":
-        """Have a background thread wait for the collective, so that `done()` can tell when it has
-        finished on a backend that does not report it (host waits only: NCCL's are stream waits)."""
-        if self._watcher is None and self.timeout_s is not None:
-            self._watcher = threading.Thread(target=self._wait_in_background, daemon=True,
-                                             name=f"zero_ref wait {self.what.split()[0]}")
-            self._watcher.start()
-        return self
-
-    def _wait_in_background(self) -> None:
-        try:
-            self.work.wait(timedelta(seconds=self.timeout_s))
-        except BaseException as err:   # reported by wait(), on the caller's thread
-            self._watch_error = err
-
-    def wait(self) -> None:
-        # the label lets a profiler tell time spent waiting on communication, by kind, from compute
-        # (experiments/throughput.py splits a step into phases with it)
-        try:
-            with label("zero_ref.wait", self.what.split()[0], *(() if self.seq is None else (f"#{self.seq}",))):
-                if self._watcher is not None:
-                    self._watcher.join(self.timeout_s)
-                    if self._watcher.is_alive():
-                        raise RuntimeError(f"no result after {self.timeout_s:g} s")
-                    if self._watch_error is not None:
-                        raise self._watch_error
-                elif self.timeout_s is None:
-                    self.work.wait()
-                else:
-                    self.work.wait(timedelta(seconds=self.timeout_s))
-        except RuntimeError as err:
-            if self.on_failure is not None:
-                self.on_failure()
-            bound = f" within {self.timeout_s:g} s" if self.timeout_s is not None else ""
-            raise CollectiveError(
-                f"rank {self.rank}: {self.what} did not complete{bound}: another rank has probably died, "
-                f"raised, or diverged ({str(err).splitlines()[0][:300]})") from err
-        if self.then is not None:
-            then, self.then = self.then, None
-            then()
-
-    def settle(self, seconds: float) -> bool:
-        """Wait at most `seconds` for the collective (watched: see `watch`); True once it has finished.
-        Never raises: a failure is reported by `wait`. Labelled "zero_ref.wait <kind> settle" (no
-        number: the collective's own wait comes later), so a profile counts this time as waiting."""
-        if self._watcher is not None:
-            with label("zero_ref.wait", self.what.split()[0], "settle"):
-                self._watcher.join(seconds)
-        return self.done()
-
-    def done(self) -> bool:
-        """True once the collective has finished (never blocks); see `watch`."""
-        if self._watcher is not None:
-            return not self._watcher.is_alive()
-        return self.work.is_completed()
-
-
-class _DoneLocally:
-    """The work handle of a collective over one rank, done by the caller: on the CPU already
-    finished; on CUDA queued on the stream current at the call, so ``wait`` makes the waiting
-    stream wait for it (as NCCL's ``Work.wait`` does for a real collective)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.event = torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
-
-    def wait(self, timeout=None) -> bool:
-        if self.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.event)
-        return True
-
-    def is_completed(self) -> bool:
-        return self.event is None or self.event.query()
-
-
 def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst`` takes ``src``'s values (a no-op when they are the same memory, as in place)."""
     if dst.data_ptr() != src.data_ptr() or dst.shape != src.shape:
         dst.view(-1).copy_(src.view(-1))
-
-
-class SideStream:
-    """A CUDA stream beside the compute stream for communication and the work that follows it; on
-    the CPU every method is a no-op, so callers read the same on both."""
-
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    @contextlib.contextmanager
-    def after_current(self):
-        """Run the block on the side stream, after everything already queued on the current one."""
-        if self.stream is None:
-            yield
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            yield
-
-    @contextlib.contextmanager
-    def on(self):
-        """Run the block on the side stream (ordered after earlier side-stream work only)."""
-        if self.stream is None:
-            yield
-            return
-        with torch.cuda.stream(self.stream):
-            yield
-
-    def wait_event(self, event) -> None:
-        """Make the side stream wait for `event` (a no-op for None)."""
-        if self.stream is not None and event is not None:
-            self.stream.wait_event(event)
-
-    def join(self) -> None:
-        """Make the current stream wait for everything queued on the side stream so far."""
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-
-    def record_event(self):
-        """An event marking the side stream's progress now (None on the CPU)."""
-        return None if self.stream is None else self.stream.record_event()
 
 
 _CHANNELS: dict[tuple, tuple] = {}
@@ -386,7 +215,7 @@ class Comm:
         reduce_op = dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM
         with self._label_issue("all_reduce", tensor):
             if self.alone:
-                work = _DoneLocally(self.device)
+                work = DoneLocally(self.device)
             else:
                 work = dist.all_reduce(tensor, op=reduce_op, group=self.reduce_group, async_op=True)
         return self._issue(work, f"all_reduce of {tensor.numel()} elements", async_op)
@@ -402,7 +231,7 @@ class Comm:
         with self._label_issue("reduce_scatter", full):
             if self.alone:
                 _copy_unless_same(output, full)
-                work = _DoneLocally(self.device)
+                work = DoneLocally(self.device)
             elif self.backend == "gloo":
                 work, then = self._reduce_scatter_by_all_to_all(output, full)
             else:
@@ -439,7 +268,7 @@ class Comm:
         with self._label_issue("all_gather", full):
             if self.alone:
                 _copy_unless_same(full, shard)
-                work = _DoneLocally(self.device)
+                work = DoneLocally(self.device)
             else:
                 work = all_gather_tensor(full, shard, group=group, async_op=True)
         return self._issue(work, f"all_gather of {full.numel()} elements", async_op)

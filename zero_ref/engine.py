@@ -30,7 +30,7 @@ sharded and what moves. The step contract:
                              gradients. True when the parameters changed.
 
 Phases are labelled for torch.profiler (record_function, made only while a profiler records:
-comm.label): "zero_ref.forward", "zero_ref.backward",
+labels.py): "zero_ref.forward", "zero_ref.backward",
 "zero_ref.optimizer", "zero_ref.after_update" (the regather of stages 1-2) and, in comm.py,
 "zero_ref.wait <kind>" wherever the host waits for a collective, so a profile splits a step into
 compute and communication waits (experiments/throughput.py).
@@ -77,10 +77,11 @@ from torch.utils._pytree import tree_map
 
 from . import activations, checkpoint, materialize, step_failures
 from . import state_dict as state_dict_io
-from .param_groups import ZeroOptimizer, build_groups
-from .comm import Comm, CommLedger, label
+from .comm import Comm, CommLedger
 from .config import ZeroConfig
 from .grad_stats import GradStats, StepStatistics, detached_message
+from .labels import label
+from .param_groups import ZeroOptimizer, build_groups
 from .precision import LossScaler
 from .same_everywhere import check_same_everywhere
 from .sharded_param import is_freed

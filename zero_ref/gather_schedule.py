@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .comm import label
+from .labels import label
 
 DONE = -1     # a round's answer: this rank's pass is over
 FAILED = -2   # ... and it raised

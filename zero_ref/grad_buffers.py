@@ -14,7 +14,7 @@ Reductions are launched on the communication side stream (`comm.reduce_stream`, 
 waited on there, so the compute stream never stalls behind one; `end_backward`/`drain` makes the
 compute stream wait once, at the end of backward.
 
-Profiler labels (comm.label): "zero_ref::reduce bucket <g>" where a bucket's reduction starts,
+Profiler labels (labels.py): "zero_ref::reduce bucket <g>" where a bucket's reduction starts,
 and for stages 2-3 "zero_ref::take bucket <g>" where a bucket gets its buffer from the pool and
 "zero_ref::reduced bucket <g>" where its reduced chunk is added into the shard and the buffer goes
 back.
@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .comm import label
+from .labels import label
 from .grad_hooks import GroupArrivals
 from .partition import FlatGroup, GroupLayout
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import label
+from .labels import label
 from .stage0 import Stage0
 
 

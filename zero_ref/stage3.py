@@ -44,11 +44,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .comm import Comm, SideStream, label
+from .comm import Comm
 from .config import ZeroConfig
 from .gather_schedule import GatherSchedule
 from .grad_buffers import ShardedGradBuckets
 from .grad_hooks import GroupArrivals, register_grad_hooks
+from .in_flight import SideStream
+from .labels import label
 from .partition import GroupLayout, bind_params_to, copy_params_into, make_group
 from .sharded_param import mark_sharded
 from .stage_base import Stage

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .comm import CollectiveError
 from .grad_stats import StepStatistics
+from .in_flight import CollectiveError
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
