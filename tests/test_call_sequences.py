@@ -79,7 +79,7 @@ def _sequence(rank: int, world: int, make, stage: int, seed: int, folder: str) -
         elif call == "zero_grad":
             engine.zero_grad()
             optimizer.zero_grad()
-            micro = 0
+            micro %= accum   # the gradients go, their place in the step stays
         elif call == "no_grad":
             with torch.no_grad():
                 worst = max(worst, (engine(part).float() - reference(part).float()).abs().max().item())

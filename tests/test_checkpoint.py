@@ -166,12 +166,15 @@ def _save_refused_somewhere(rank, world_size, folder):
         engine.step()
         if rank == 1:
             engine.backward(loss_fn(engine(part), part))
-        for where in (folder, folder if rank == 0 else folder + "-other"):
+        for attempt, where in enumerate((folder, folder if rank == 0 else folder + "-other")):
             try:
                 engine.save_checkpoint(where)
             except CheckpointError as err:
                 errors.append(str(err))
-            engine.zero_grad()
+            if attempt == 0:   # in step again: rank 0 runs the step's first micro-batch too, then both
+                for _ in range(2 - rank):   # finish the step together (zero_grad would keep rank 1 ahead)
+                    engine.backward(loss_fn(engine(part), part))
+                engine.step()
         saved = engine.save_checkpoint(folder)
     return errors, str(saved), sorted(os.listdir(folder))
 

@@ -62,8 +62,11 @@ def save_checkpoint(engine, root: str | os.PathLike, keep: int = 2, lr_scheduler
     state, refusal = None, None
     try:   # checked on every rank, then told to every rank, before anything is written
         if engine.micro_step:
-            raise CheckpointError("save_checkpoint must be called between steps: backward has run since the last "
-                                  "engine.step() (call step() or zero_grad() first)")
+            raise CheckpointError(
+                f"save_checkpoint must be called between steps: {engine.micro_step} backward(s) of this step (of "
+                f"grad_accum_steps={engine.config.grad_accum_steps}) have run since the last update. Call step() at "
+                "the step's boundary first (engine.zero_grad() discards the gradients but not the backwards' place "
+                "in the step)")
         state = training_state(engine, names, lr_scheduler)
     except CheckpointError as err:
         refusal = err

@@ -39,7 +39,9 @@ compute and communication waits (experiments/throughput.py).
   `step()` elsewhere (mid-accumulation, or with no backward since the last step) does nothing and
   returns False, so calling it twice never updates twice.
 * Several backwards before a step accumulate, at every stage alike: the update uses the sum of
-  their gradients, as torch's optimizers do.
+  their gradients, as torch's optimizers do. `zero_grad()` discards them but keeps their count (a
+  boundary stays where it was), as a torch loop that steps every grad_accum_steps micro-batches
+  does and as DeepSpeed does.
 * A forward, backward or step that raises on some ranks only: every rank raises at the same call
   (ValueError, nothing updated; `zero_grad()` on every rank puts them in step again), or, where a
   step raised while updating, the engine refuses to go on (step_failures.py).
@@ -62,12 +64,12 @@ compute and communication waits (experiments/throughput.py).
   `initialize` and made trainable after it: `step()` raises RuntimeError on every rank.
 * A model belongs to one open engine; a stage-3 engine leaves its parameters without values (even
   closed), and reading one outside the forward raises FreedParameterError (sharded_param.py).
+  `model.zero_grad()` on the model given to initialize is `engine.zero_grad()` (ownership.py).
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from pathlib import Path
 
 import torch
@@ -75,7 +77,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import activations, checkpoint, materialize, step_failures
+from . import activations, checkpoint, materialize, ownership, step_failures
 from . import state_dict as state_dict_io
 from .comm import Comm, CommLedger
 from .config import ZeroConfig
@@ -84,7 +86,6 @@ from .labels import label
 from .param_groups import ZeroOptimizer, build_groups
 from .precision import LossScaler
 from .same_everywhere import check_same_everywhere
-from .sharded_param import is_freed
 from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2
@@ -139,7 +140,7 @@ def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.Process
             raise ValueError(f"mesh must be a 2-D DeviceMesh with dimensions named 'dp' and 'mp', got "
                              f"dimensions {names or None} of shape {tuple(getattr(mesh, 'shape', ()))}")
         process_group, mp_group = mesh.get_group("dp"), mesh.get_group("mp")
-    _check_not_taken(model)
+    ownership.check_not_taken(model)
     materializer = None
     backend = str(dist.get_backend_config(process_group) if hasattr(dist, "get_backend_config")
                   else dist.get_backend(process_group))
@@ -215,8 +216,7 @@ class ZeroEngine:
         self._skipped_steps = 0
         self._failed_at = 0   # the micro-batch of this step at which a forward or backward raised (0: none)
         self._boundary_unchecked = False   # a backward reached a step boundary and no step() followed yet
-        for param in params:
-            param.zero_ref_engine = weakref.ref(self)   # _check_not_taken: one open engine per model
+        ownership.take(self, model)   # one open engine per model; model.zero_grad() is engine.zero_grad()
         self.stage.note_param_writes()
 
     def _start_from_rank0_rng(self, device: torch.device) -> None:
@@ -385,12 +385,15 @@ class ZeroEngine:
         self.ledger.close_step()
 
     def zero_grad(self) -> None:
-        """Discard the gradients accumulated since the last step (also after a bare loss.backward())."""
+        """Discard the gradients accumulated since the last step (also after a bare loss.backward()),
+        but not their place in the step: the boundary stays where the backwards since the last update
+        put it, as in a torch loop that steps every grad_accum_steps micro-batches. `model.zero_grad()`
+        and `engine.optimizer.zero_grad()` call it."""
         self._check_open()
         step_failures.check_nobody_failed_at_the_boundary(self, discarding=True)
         self.stage.zero_grads()
         self.stage.polluted = None
-        self.micro_step = 0
+        self.micro_step %= self.config.grad_accum_steps
 
     def _check_clean(self) -> None:
         if self.stage.polluted:
@@ -508,6 +511,7 @@ class ZeroEngine:
         if self.closed:
             return
         self.stage.close()
+        ownership.release(self.module)
         self.closed = True
 
     def __enter__(self) -> "ZeroEngine":
@@ -515,20 +519,6 @@ class ZeroEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _check_not_taken(model: nn.Module) -> None:
-    """A model belongs to one open engine at a time (its hooks and views are that engine's), and a
-    stage-3 engine leaves the parameters with no values (their storage freed, even once closed)."""
-    for name, param in model.named_parameters():
-        owner = getattr(param, "zero_ref_engine", lambda: None)()
-        if owner is not None and not owner.closed:
-            raise ValueError(f"parameter {name} already belongs to a zero-ref engine that is not closed: call "
-                             "engine.close() on it first (or use `with zero_ref.initialize(...) as engine:`)")
-        if is_freed(param):
-            raise ValueError(f"parameter {name} has no values: a stage-3 engine sharded it and kept them (they are "
-                             "freed here, even after close). Take engine.full_state_dict() before closing it and "
-                             "build the model again, or load a checkpoint into the new engine")
 
 
 def _make_stage(model: nn.Module, trainable: list[nn.Parameter], config: ZeroConfig, comm: Comm) -> Stage:
