@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import copy
 import io
+import itertools
 
 import pytest
 import torch
 
 import zero_ref
-from scenarios import LR, DataDependentOrder, cfg, lm_loss, local, state_error, token_batches
+from scenarios import LR, DataDependentOrder, WithUnused, cfg, lm_loss, local, state_error, token_batches
 from zero_ref.launch import spawn
 
 ACCUM = 3
@@ -20,16 +21,18 @@ HABITS = {
     "after every step": {i: True for i in range(ACCUM - 1, 4 * ACCUM, ACCUM)},
     "before every micro-batch": {i: i % 2 == 0 for i in range(4 * ACCUM)},
     "once, mid-step": {ACCUM + 1: False},
+    "once, mid-step, to none": {ACCUM + 1: True},
 }
 
 
 def _loops(rank, world, stage):
     """Each habit with a fresh engine and a fresh torch model: the step's results and the largest
-    difference of the end state from torch's."""
+    difference of the end state from torch's. WithUnused has a layer that only some micro-batches
+    reach, so set_to_none decides whether the step updates it (torch: a zero gradient is one)."""
     out = {}
     batches = token_batches(4 * ACCUM, 2 * world)
-    for habit, zero_before in HABITS.items():
-        model, reference = DataDependentOrder(), DataDependentOrder()
+    for (habit, zero_before), make in itertools.product(HABITS.items(), (DataDependentOrder, WithUnused)):
+        model, reference = make(), make()
         optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
         engine = zero_ref.initialize(model, cfg(stage, grad_accum_steps=ACCUM))
         stepped = []
@@ -45,7 +48,7 @@ def _loops(rank, world, stage):
             if (i + 1) % ACCUM == 0:   # the torch loop steps every ACCUM micro-batches, whatever it zeroed
                 optimizer.step()
                 optimizer.zero_grad()
-        out[habit] = (stepped, state_error(engine.full_state_dict(), reference.state_dict()))
+        out[habit, make.__name__] = (stepped, state_error(engine.full_state_dict(), reference.state_dict()))
         engine.close()
         assert "zero_grad" not in vars(model), "close() must give the model its class's own zero_grad"
     return out

@@ -384,14 +384,19 @@ class ZeroEngine:
         self.micro_step = 0
         self.ledger.close_step()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients accumulated since the last step (also after a bare loss.backward()),
         but not their place in the step: the boundary stays where the backwards since the last update
         put it, as in a torch loop that steps every grad_accum_steps micro-batches. `model.zero_grad()`
-        and `engine.optimizer.zero_grad()` call it."""
+        and `engine.optimizer.zero_grad()` call it. As in torch, `set_to_none=False` leaves the
+        parameters that got a gradient with one of zeros: the step updates them even if no later
+        micro-batch reaches them (weight decay, momentum); by default it updates only those that do."""
         self._check_open()
         step_failures.check_nobody_failed_at_the_boundary(self, discarding=True)
+        used = self.stage.used
         self.stage.zero_grads()
+        if not set_to_none:
+            self.stage.used = used
         self.stage.polluted = None
         self.micro_step %= self.config.grad_accum_steps
 

@@ -8,8 +8,8 @@ model's `zero_grad()` discards the engine's gradients.
 * `model.zero_grad()` is how torch users discard gradients (Hugging Face's Trainer calls it every
   step, some loops before every micro-batch). The engine owns the gradients (stages 2-3 keep none in
   `.grad`; at stages 0-1 `.grad` is a view of a buffer the reductions read), so on the model given
-  to `initialize` it is `engine.zero_grad()`, then the model class's own `zero_grad`: mid-step it
-  drops the micro-batches since the last step, as torch's would. A submodule's `zero_grad()` or
+  to `initialize` it is `engine.zero_grad(set_to_none)`, then the model class's own `zero_grad`:
+  mid-step it drops the micro-batches since the last step, as torch's would. A submodule's `zero_grad()` or
   `p.grad = None` does not reach the engine. `close()` gives the model its class's own back, and
   so does a copy or a pickle of the model.
 """
@@ -58,7 +58,7 @@ class ZeroGradThroughEngine:
     def __call__(self, set_to_none: bool = True) -> None:
         engine, model = self.engine(), self.model()
         if engine is not None and not engine.closed:
-            engine.zero_grad()
+            engine.zero_grad(set_to_none)
         type(model).zero_grad(model, set_to_none)
 
     def __reduce__(self):   # the model is being pickled: its copy gets the class's own zero_grad

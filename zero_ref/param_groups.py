@@ -129,8 +129,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._engine.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """`engine.zero_grad()`: discard the gradients accumulated since the last step."""
-        self._engine.zero_grad()
+        """`engine.zero_grad(set_to_none)`: discard the gradients accumulated since the last step."""
+        self._engine.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         if not self._building:
