@@ -211,7 +211,7 @@ class ZeroEngine:
                                  growth_interval=config.loss_scale_growth_interval,
                                  min_scale=config.min_loss_scale)
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
-        self.micro_step = 0   # backwards since the last step
+        self.micro_step = 0   # backwards since the last update (zero_grad keeps it modulo grad_accum_steps)
         self.global_step = 0
         self._skipped_steps = 0
         self._failed_at = 0   # the micro-batch of this step at which a forward or backward raised (0: none)
