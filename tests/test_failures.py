@@ -114,6 +114,58 @@ def test_a_step_that_raises_on_one_rank_while_updating_stops_every_rank(stage):
     assert others[-1][0] == "refused" and "cannot go on" in others[-1][1], others
 
 
+def _one_rank_calls(rank, world_size, stage, calls):
+    """Train 3 steps; after the first, rank r makes calls[r] (None: nothing), as `if rank == 0:
+    engine.full_state_dict()` does. What each rank raised, and when."""
+    engine = zero_ref.initialize(AwkwardNet(), zero_ref.ZeroConfig(stage=stage, dtype="bf16", lr=1e-2, kernels="torch",
+                                                                   comm_timeout_s=TIMEOUT_S))
+    seen = []
+    start = time.monotonic()
+    try:
+        for step, (tokens,) in enumerate(global_batches(3, 1, 12)):
+            local = tokens.chunk(world_size)[rank]
+            engine.backward(loss_fn(engine(local), local))
+            engine.step()
+            try:
+                if step == 0 and calls[rank] == "full_state_dict":
+                    engine.full_state_dict()
+                elif step == 0 and calls[rank] == "save_checkpoint":
+                    engine.save_checkpoint(f"{os.environ['ONE_RANK_CALLS_DIR']}/ckpt")
+            except ValueError as refused:   # the calls differ: refused on every rank, training goes on
+                seen.append(("ValueError", str(refused), time.monotonic() - start))
+        seen.append(("trained", sum(v.double().sum().item() for v in engine.full_state_dict().values())))
+    except Exception as err:   # noqa: BLE001 - the test inspects whatever was raised
+        seen.append((type(err).__name__, str(err), time.monotonic() - start))
+    return seen
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_collective_call_made_on_one_rank_only_fails_every_rank_within_the_timeout(stage, tmp_path, monkeypatch):
+    """`if rank == 0: engine.full_state_dict()`: rank 0's first collective used to pair with rank 1's
+    gradient bucket, and gloo aborted the process (stage 0, bf16: SIGABRT, 'Received data size
+    doesn't match expected size'). Now every rank raises CollectiveError within the timeout, rank
+    0's naming the call."""
+    monkeypatch.setenv("ONE_RANK_CALLS_DIR", str(tmp_path))
+    first, second = spawn(_one_rank_calls, 2, stage, ["full_state_dict", None])
+    (name, message, elapsed), = first
+    assert name == "CollectiveError" and message.startswith("rank 0: full_state_dict") and \
+        "every rank must make it" in message, message
+    assert second[0][0] == "CollectiveError", second
+    assert elapsed < TIMEOUT_S + 5 and second[0][2] < TIMEOUT_S + 5, (first, second)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_different_collective_calls_at_once_raise_on_every_rank_and_change_nothing(stage, tmp_path, monkeypatch):
+    monkeypatch.setenv("ONE_RANK_CALLS_DIR", str(tmp_path))
+    first, second = spawn(_one_rank_calls, 2, stage, ["full_state_dict", "save_checkpoint"])
+    for seen in (first, second):
+        name, message, _ = seen[0]
+        assert name == "ValueError" and "rank 0: full_state_dict, rank 1: save_checkpoint" in message, seen
+        assert seen[1][0] == "trained", seen
+    assert first[1] == second[1], "the ranks must train on as one model"
+    assert not list(tmp_path.iterdir()), "nothing may be written"
+
+
 def _nonfinite(rank, world_size):
     out = {}
     for mode in ("error", "skip"):

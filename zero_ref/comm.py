@@ -2,7 +2,7 @@
 
 Collectives pair up across ranks by their position in each rank's sequence on one process group, so
 two sequences that may interleave differently on different ranks must not share a group. The engine
-therefore talks on up to four groups over the same ranks (its *channels*):
+therefore talks on up to five groups over the same ranks (its *channels*):
 
     reduce    gradient reductions, and every other collective that moves model data
     gather    stage 3's parameter gathers, which interleave with its reductions in an order that
@@ -16,6 +16,13 @@ therefore talks on up to four groups over the same ranks (its *channels*):
               bucket, and gloo aborted the process on the size mismatch (or, at equal sizes, summed
               the two). On its own group such a rank waits there, the others wait in their next
               collective, and every rank raises CollectiveError after `timeout_s`.
+    calls     one fixed-size message that opens each collective call training does not make
+              (`CALLS`: full_state_dict, save or load of a checkpoint, load_state_dict), naming it,
+              gloo on the CPU (`announce`). Such a call made on some ranks only (`if rank == 0:
+              engine.full_state_dict()`) then waits there alone until `timeout_s` and raises
+              CollectiveError, as the others do in their next collective; without it, its first
+              collective paired with another rank's gradient bucket (gloo aborted the process on
+              the size mismatch). Two different calls at once raise ValueError on every rank.
 
 The channel groups are created once per (parent group, backend, timeout) and shared by every engine
 on those ranks in the process (`_channel_groups`). Engines may share them because each rank issues
@@ -67,6 +74,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+CALLS = ("full_state_dict", "save_checkpoint", "load_checkpoint", "load_state_dict")
+"""The collective calls that training does not make, opened on the calls channel (`Comm.announce`)."""
 
 @dataclass
 class CommLedger:
@@ -103,13 +112,13 @@ def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 _CHANNELS: dict[tuple, tuple] = {}
-"""(id of the parent group, data backend, timeout) -> (parent group, [reduce, gather, control, statistics])."""
+"""(id of the parent group, data backend, timeout) -> (parent group, [reduce, gather, control, statistics, calls])."""
 atexit.register(_CHANNELS.clear)   # release the groups while the interpreter is whole, not during teardown
 
 
 def _channel_groups(parent: dist.ProcessGroup | None, backend: str, timeout_s: float
                     ) -> tuple[tuple, list[dist.ProcessGroup]]:
-    """(cache key, [reduce, gather, control, statistics] groups) over the ranks of `parent` (see the module
+    """(cache key, [reduce, gather, control, statistics, calls] groups) over the ranks of `parent` (see the module
     docstring): created by the first engine on those ranks, shared by the later ones. Every rank of
     `parent` creates them at the same point, its first initialize with these settings.
 
@@ -126,7 +135,7 @@ def _channel_groups(parent: dist.ProcessGroup | None, backend: str, timeout_s: f
         timeout = timedelta(seconds=timeout_s)
         local = len(ranks) < dist.get_world_size()
         groups = [dist.new_group(ranks, timeout=timeout, backend=kind, use_local_synchronization=local)
-                  for kind in (backend, backend, "gloo", "gloo")]
+                  for kind in (backend, backend, "gloo", "gloo", "gloo")]
         _CHANNELS[key] = (parent, groups)   # holding the parent keeps its id from being reused
     return key, _CHANNELS[key][1]
 
@@ -175,10 +184,11 @@ class Comm:
         self._channels = None
         if self.backend == "fake":   # the at-scale studies: one fake group serves every channel
             self.reduce_group = self.gather_group = self.control_group = self.statistics_group = group
+            self.calls_group = group
         else:
             data = "gloo" if device.type == "cpu" else str(dist.get_backend_config(group))
             self._channels, groups = _channel_groups(group, data, timeout_s)
-            self.reduce_group, self.gather_group, self.control_group, self.statistics_group = groups
+            self.reduce_group, self.gather_group, self.control_group, self.statistics_group, self.calls_group = groups
             if not gather_channel:
                 self.gather_group = self.reduce_group
         self.reduce_stream = SideStream(device)   # where reductions are waited on and followed up
@@ -284,6 +294,24 @@ class Comm:
         self._issue(work, f"broadcast of {tensor.numel()} elements", async_op=False)
 
     # --- control messages ---------------------------------------------------------------------------
+    def announce(self, call: str) -> None:
+        """Open the collective call `call` (one of `CALLS`) on every rank, before any of its
+        collectives: every rank sends the call's name on the calls channel. If a rank is not making
+        it, this rank waits here alone and raises CollectiveError after `timeout_s`; if the ranks
+        make different calls, ValueError on every rank, and nothing else was done."""
+        if self.alone or self.backend == "fake":
+            return
+        mine = torch.tensor([CALLS.index(call)], dtype=torch.int64)
+        gathered = mine.repeat(self.world_size)
+        work = all_gather_tensor(gathered, mine, group=self.calls_group, async_op=True)
+        Pending(work, f"{call} (a collective call: every rank must make it)", self.rank, self.control_timeout_s,
+                self._retire).wait()
+        made = [CALLS[code] for code in gathered.tolist()]
+        if len(set(made)) > 1:
+            each = ", ".join(f"rank {rank}: {name}" for rank, name in enumerate(made))
+            raise ValueError(f"the ranks made different collective calls at once ({each}): each must be made by "
+                             "every rank, at the same point of the program. Nothing was done")
+
     def exchange(self, values: list[int]) -> list[list[int]]:
         """Every rank's list of `len(values)` integers (the same length on every rank), in rank order.
         A fake group returns this rank's values for every rank."""

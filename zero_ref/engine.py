@@ -421,6 +421,7 @@ class ZeroEngine:
         with the parameter groups' hyper-parameters and, if given, `lr_scheduler`'s state. Returns the
         new checkpoint's folder; `path/latest` names it once it is complete."""
         self._check_open()
+        self.comm.announce("save_checkpoint")
         step_failures.check_nobody_failed_at_the_boundary(self)
         self._adopt_param_writes()
         return checkpoint.save_checkpoint(self, self._mp_path(path), keep, lr_scheduler)
@@ -430,6 +431,7 @@ class ZeroEngine:
         of `lr_scheduler` if given. Every rank verifies what it reads, then all vote: a failure
         anywhere changes nothing anywhere. The step in progress, if any, is dropped."""
         self._check_open()
+        self.comm.announce("load_checkpoint")
         step_failures.check_nobody_failed_at_the_boundary(self, discarding=True)
         checkpoint.load_checkpoint(self, self._mp_path(path), lr_scheduler)
 
@@ -461,6 +463,7 @@ class ZeroEngine:
         model's, no unknown key, and the same values on every rank; a state dict refused on one rank
         is refused on every rank (state_dict.py)."""
         self._check_open()
+        self.comm.announce("load_state_dict")
         step_failures.check_nobody_failed_at_the_boundary(self)
         state_dict_io.load_state_dict(self, state_dict)
 
@@ -471,6 +474,7 @@ class ZeroEngine:
         calls it. Groups are gathered one at a time, so the engine's device holds at most one full
         group beyond its shards; with `rank0_only` the other ranks return {} and hold no copy."""
         self._check_open()
+        self.comm.announce("full_state_dict")
         step_failures.check_nobody_failed_at_the_boundary(self)
         self._adopt_param_writes()
         return state_dict_io.full_state_dict(self, rank0_only, torch.device(device))
