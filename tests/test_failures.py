@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import zero_ref
-from awkward import AwkwardNet, global_batches, loss_fn
+from awkward import AwkwardNet, global_batches, loss_fn, reference_train
 from zero_ref.checkpoint import CheckpointError, consolidate
 from zero_ref.manifest import seal
 from zero_ref.launch import free_port, spawn
@@ -164,6 +164,44 @@ def test_different_collective_calls_at_once_raise_on_every_rank_and_change_nothi
         assert seen[1][0] == "trained", seen
     assert first[1] == second[1], "the ranks must train on as one model"
     assert not list(tmp_path.iterdir()), "nothing may be written"
+
+
+def _step_on_rank_0_only(rank, world_size, stage, cases):
+    """At the second step's boundary only rank 0 calls step(); the others go on to `then` (a
+    forward, or full_state_dict). What each raised, then step() everywhere, and the end state."""
+    out = []
+    for accum, then in cases:
+        engine = zero_ref.initialize(AwkwardNet(), zero_ref.ZeroConfig(stage=stage, lr=1e-2, kernels="torch",
+                                                                       grad_accum_steps=accum, comm_timeout_s=30))
+        seen = []
+        for step, micro_batches in enumerate(global_batches(3, accum, 12)):
+            for tokens in micro_batches:
+                local = tokens.chunk(world_size)[rank]
+                engine.backward(loss_fn(engine(local), local))
+            if step == 1:
+                try:
+                    engine.step() if rank == 0 else (engine(local) if then == "forward" else engine.full_state_dict())
+                except ValueError as refused:
+                    seen.append(str(refused))
+            engine.step()
+        out.append((seen, engine.full_state_dict()))
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_step_called_on_some_ranks_only_is_refused_on_every_rank_then_exact(stage):
+    """Before, rank 0 updated alone and, at stage 0, went on with a model the others did not have
+    (their next call's statistics paired with its step's); at stages 1-2 its regather met their
+    gradient reductions. Now every rank raises ValueError at that boundary, nothing is updated, and
+    step() everywhere then makes the run exact against AdamW."""
+    cases = [(1, "forward"), (2, "full_state_dict")]
+    for out in spawn(_step_on_rank_0_only, 2, stage, cases):
+        for (accum, then), (seen, state) in zip(cases, out):
+            assert len(seen) == 1 and "engine.step() was called at this step boundary on 1 of 2 ranks" in seen[0], \
+                (accum, then, seen)
+            expected, _ = reference_train(global_batches(3, accum, 12))
+            assert max((state[k] - expected[k]).abs().max().item() for k in expected) < 1e-5, (accum, then)
 
 
 def _nonfinite(rank, world_size):

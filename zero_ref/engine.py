@@ -297,8 +297,9 @@ class ZeroEngine:
             return False
         self.optimizer._opt_called = True   # what torch's lr_schedulers look for: "the optimizer stepped"
         stage, optimizer = self.stage, self.stage.optimizer
-        summed = self._step_statistics()
+        summed = self._step_statistics(stepping=True)
         step_failures.refuse_if_the_ranks_failed_apart(self, summed)
+        step_failures.refuse_unless_every_rank_steps(self, summed)
         if summed.detached_anywhere:
             raise RuntimeError(detached_message(self.module, self.dtype, summed.detached, summed.unfrozen))
         if summed.hyper_error or summed.disagreement:
@@ -330,13 +331,15 @@ class ZeroEngine:
         self.global_step += 1
         return True
 
-    def _step_statistics(self) -> StepStatistics:
+    def _step_statistics(self, stepping: bool = False) -> StepStatistics:
         """The step's one statistics all-reduce (grad_stats.py); it carries the micro-batch of this
-        step at which this rank's forward or backward raised, which is then forgotten."""
+        step at which this rank's forward or backward raised, which is then forgotten, and whether
+        step() sends it (`stepping`)."""
         failed_at, self._failed_at = self._failed_at, 0
         self._boundary_unchecked = False
         with torch.no_grad():
-            return self.grad_stats.step_statistics(self.optimizer, self.frozen, failed_at, self._ranks_summed)
+            return self.grad_stats.step_statistics(self.optimizer, self.frozen, failed_at, self._ranks_summed,
+                                                   stepping)
 
     @property
     def _ranks_summed(self) -> int:
@@ -421,8 +424,8 @@ class ZeroEngine:
         with the parameter groups' hyper-parameters and, if given, `lr_scheduler`'s state. Returns the
         new checkpoint's folder; `path/latest` names it once it is complete."""
         self._check_open()
-        self.comm.announce("save_checkpoint")
         step_failures.check_nobody_failed_at_the_boundary(self)
+        self.comm.announce("save_checkpoint")
         self._adopt_param_writes()
         return checkpoint.save_checkpoint(self, self._mp_path(path), keep, lr_scheduler)
 
@@ -431,8 +434,8 @@ class ZeroEngine:
         of `lr_scheduler` if given. Every rank verifies what it reads, then all vote: a failure
         anywhere changes nothing anywhere. The step in progress, if any, is dropped."""
         self._check_open()
-        self.comm.announce("load_checkpoint")
         step_failures.check_nobody_failed_at_the_boundary(self, discarding=True)
+        self.comm.announce("load_checkpoint")
         checkpoint.load_checkpoint(self, self._mp_path(path), lr_scheduler)
 
     def _mp_path(self, path):
@@ -463,8 +466,8 @@ class ZeroEngine:
         model's, no unknown key, and the same values on every rank; a state dict refused on one rank
         is refused on every rank (state_dict.py)."""
         self._check_open()
-        self.comm.announce("load_state_dict")
         step_failures.check_nobody_failed_at_the_boundary(self)
+        self.comm.announce("load_state_dict")
         state_dict_io.load_state_dict(self, state_dict)
 
     def full_state_dict(self, rank0_only: bool = False, device: str | torch.device = "cpu"
@@ -474,8 +477,8 @@ class ZeroEngine:
         calls it. Groups are gathered one at a time, so the engine's device holds at most one full
         group beyond its shards; with `rank0_only` the other ranks return {} and hold no copy."""
         self._check_open()
-        self.comm.announce("full_state_dict")
         step_failures.check_nobody_failed_at_the_boundary(self)
+        self.comm.announce("full_state_dict")
         self._adopt_param_writes()
         return state_dict_io.full_state_dict(self, rank0_only, torch.device(device))
 

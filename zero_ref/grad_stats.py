@@ -16,7 +16,8 @@ The engine appends its own agreement checks to the same tensor, so a step makes 
 all-reduce per group and one host sync (`GradStats.step_statistics`, read by engine.step and by a
 rank whose backward raised): which parameters got a gradient, whether the ranks hold the same
 hyper-parameters and failed at the same micro-batch (param_groups.py), whether parameters were
-written or replaced from outside the engine.
+written or replaced from outside the engine, and how many ranks sent them from step() (the others
+reached the same step boundary and went on without stepping: step_failures.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class StepStatistics:
     nonfinite: float = 0.0                     # > 0: a non-finite gradient somewhere
     used: list[float] = dataclasses.field(default_factory=list)   # per parameter: ranks where it got a gradient
     written: float = 0.0                       # ranks whose parameters were written from outside
+    stepping: float = 0.0                      # ranks that sent these statistics from step()
     detached_anywhere: float = 0.0             # parameters detached or unfrozen, over every rank
     failure_disagrees: str | None = None       # param_groups.failure_disagreement
     disagreement: str | None = None            # param_groups.agreement
@@ -77,12 +79,14 @@ class GradStats:
             self.mp_comm.sum_statistics(head)
             stats[mp_slots] = head
 
-    def step_statistics(self, optimizer, frozen: list[nn.Parameter], failed_at: int, ranks: int) -> StepStatistics:
+    def step_statistics(self, optimizer, frozen: list[nn.Parameter], failed_at: int, ranks: int,
+                        stepping: bool = True) -> StepStatistics:
         """The step's one small all-reduce and host sync: [sum of squares, non-finite flag, one 0/1
         per parameter (did it get a gradient?), the hyper-parameters' agreement fingerprint and
         `failed_at` (the micro-batch at which this rank's forward or backward raised, 0: none;
-        param_groups.agreement_stats), were the parameters written from outside (1/0), how many
-        parameters left the stage's buffers], summed over the ranks (`ranks` of them; stage 0: only
+        param_groups.agreement_stats), were the parameters written from outside (1/0), is this
+        `stepping` (sent by step(), 1/0), how many parameters left the stage's buffers], summed
+        over the ranks (`ranks` of them; stage 0: only
         rank 0's sum of squares and flag count; the first two and the last over the MP ranks too),
         then read on the host. `optimizer`: the engine's parameter groups; `frozen`: the parameters
         frozen at initialize."""
@@ -94,7 +98,7 @@ class GradStats:
             out.hyper_error = err
         out.detached = stage.detached()
         out.unfrozen = [p for p in frozen if p.requires_grad]   # trainable now, but never sharded
-        extra = [*agreement_stats(out.hyper, failed_at), float(stage.params_written()),
+        extra = [*agreement_stats(out.hyper, failed_at), float(stage.params_written()), float(stepping),
                  float(len(out.detached) + len(out.unfrozen))]
         stats = torch.cat([self.local(out.grads), stage.used_mask(extra)])
         self.sum(stats, mp_slots=[0, 1, -1])
@@ -103,7 +107,8 @@ class GradStats:
             out.used = [1.0] * n_used   # present and finite, so that the update makes its real allocations
             return out
         out.sum_sq, out.nonfinite, *rest = stats.tolist()
-        out.used, summed_agree, out.written, out.detached_anywhere = rest[:n_used], rest[n_used:-2], rest[-2], rest[-1]
+        out.used, summed_agree = rest[:n_used], rest[n_used:-3]
+        out.written, out.stepping, out.detached_anywhere = rest[-3:]
         out.failure_disagrees = failure_disagreement(summed_agree, ranks)
         out.disagreement = agreement(summed_agree, ranks)
         return out

@@ -20,7 +20,9 @@ with one of theirs. So:
    `full_state_dict` first) send the statistics before their next collective call
    (`check_nobody_failed_at_the_boundary`), so they learn of a failure there. The statistics have
    their own channel (comm.py), so a rank that waits there never pairs them with another rank's
-   gradient bucket.
+   gradient bucket. The statistics also say which ranks sent them from step(): if some ranks step
+   at a boundary and others go on without stepping, every rank raises ValueError there, before
+   anything is updated (`refuse_unless_every_rank_steps`); step() on every rank then goes on.
 
 A forward (with gradients enabled) that raised is recorded the same way. At stage 3 a forward that
 raises on some ranks raises on every rank (stage3.py), so every rank skips or retries alike; at
@@ -97,6 +99,7 @@ def check_nobody_failed_at_the_boundary(engine: "ZeroEngine", discarding: bool =
     summed = engine._step_statistics()
     if not discarding:
         refuse_if_the_ranks_failed_apart(engine, summed)
+        refuse_unless_every_rank_steps(engine, summed)
 
 
 def refuse_if_the_ranks_failed_apart(engine: "ZeroEngine", summed: StepStatistics) -> None:
@@ -106,6 +109,19 @@ def refuse_if_the_ranks_failed_apart(engine: "ZeroEngine", summed: StepStatistic
     if summed.failure_disagrees:
         engine.stage.polluted = summed.failure_disagrees
         raise ValueError(summed.failure_disagrees)
+
+
+def refuse_unless_every_rank_steps(engine: "ZeroEngine", summed: StepStatistics) -> None:
+    """ValueError on every rank if step() sent these statistics on some ranks while the others, at
+    the same step boundary, went on without stepping (their next call sent them: step 3 above).
+    Nothing was updated and the gradients are kept, so step() on every rank then goes on."""
+    everyone = engine._ranks_summed
+    if 0 < summed.stepping < everyone:
+        raise ValueError(
+            f"engine.step() was called at this step boundary on {int(summed.stepping)} of {everyone} ranks; the "
+            "others went on without it (another forward or backward, or a collective call such as "
+            "full_state_dict). Nothing was updated and the gradients are kept: call step() on every rank "
+            "(or zero_grad() on every rank to drop them)")
 
 
 def step_raised(engine: "ZeroEngine", err: BaseException) -> None:
