@@ -131,6 +131,9 @@ def _one_rank_calls(rank, world_size, stage, calls):
                     engine.full_state_dict()
                 elif step == 0 and calls[rank] == "save_checkpoint":
                     engine.save_checkpoint(f"{os.environ['ONE_RANK_CALLS_DIR']}/ckpt")
+                elif step == 0 and calls[rank] in ("engine forward", "module forward"):
+                    with torch.no_grad():   # an evaluation on this rank only
+                        (engine if calls[rank] == "engine forward" else engine.module)(local)
             except ValueError as refused:   # the calls differ: refused on every rank, training goes on
                 seen.append(("ValueError", str(refused), time.monotonic() - start))
         seen.append(("trained", sum(v.double().sum().item() for v in engine.full_state_dict().values())))
@@ -152,6 +155,18 @@ def test_a_collective_call_made_on_one_rank_only_fails_every_rank_within_the_tim
         "every rank must make it" in message, message
     assert second[0][0] == "CollectiveError", second
     assert elapsed < TIMEOUT_S + 5 and second[0][2] < TIMEOUT_S + 5, (first, second)
+
+
+def test_an_evaluation_on_one_rank_only_goes_through_the_model_not_the_engine(tmp_path, monkeypatch):
+    """engine(...) is collective (AwkwardNet has a float buffer: broadcast_buffers); on rank 0 alone it
+    times out and says what to do instead, and engine.module(...) there changes nothing."""
+    monkeypatch.setenv("ONE_RANK_CALLS_DIR", str(tmp_path))
+    first, second = spawn(_one_rank_calls, 2, 1, ["engine forward", None])
+    (name, message, _), = first
+    assert name == "CollectiveError" and "engine.module(...)" in message and "broadcast_buffers" in message, message
+    assert second[0][0] == "CollectiveError", second
+    first, second = spawn(_one_rank_calls, 2, 1, ["module forward", None])
+    assert first == second and first[0][0] == "trained", (first, second)
 
 
 @pytest.mark.parametrize("stage", [0, 2])

@@ -82,6 +82,7 @@ from . import state_dict as state_dict_io
 from .comm import Comm, CommLedger
 from .config import ZeroConfig
 from .grad_stats import GradStats, StepStatistics, detached_message
+from .in_flight import CollectiveError
 from .labels import label
 from .param_groups import ZeroOptimizer, build_groups
 from .precision import LossScaler
@@ -236,18 +237,33 @@ class ZeroEngine:
         """The model's forward. Floating-point tensor inputs are cast to the model dtype."""
         self._check_open()
         step_failures.check_nobody_failed_at_the_boundary(self)
-        self._broadcast_buffers()
+        try:
+            self._broadcast_buffers()
+        except CollectiveError as err:
+            raise self._forward_needs_every_rank(err, "broadcasts rank 0's buffers first (ZeroConfig."
+                                                      "broadcast_buffers)") from err
         cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         args, kwargs = tree_map(cast, (args, kwargs))
         with label("zero_ref.forward"), self.stage.forward_context():
             try:
                 return self.module(*args, **kwargs)
+            except CollectiveError as err:
+                raise self._forward_needs_every_rank(err, "gathers each unit's parameters" if self.config.stage == 3
+                                                     else "runs collectives") from err
             except BaseException:   # a rank that skips this micro-batch must not pass unnoticed
                 if torch.is_grad_enabled():
                     step_failures.forward_raised(self)
                 raise
 
     forward = __call__
+
+    def _forward_needs_every_rank(self, err: CollectiveError, what: str) -> CollectiveError:
+        """The forward's collective did not complete: most often a forward run on some ranks only
+        (an evaluation on rank 0), which the error says, with the way to do that."""
+        return CollectiveError(
+            f"{err}. It was the engine's forward, which {what}, so every rank must run it: to evaluate on "
+            "some ranks only, call engine.module(...) under torch.no_grad() there (stages 0-2), or evaluate "
+            "on every rank")
 
     def _broadcast_buffers(self) -> None:
         """config.broadcast_buffers: every forward starts from rank 0's floating-point buffers."""
