@@ -68,8 +68,8 @@ class BucketedStage(Stage):
         if self.arrival_log is not None:
             self._learn_order(None if failed else self.arrival_log)
 
-    def zero_grads(self) -> None:
-        super().zero_grads()
+    def zero_grads(self, keep_used: bool = False) -> None:
+        super().zero_grads(keep_used)
         if self.arrival_log:   # a first backward that raised: learn the order from a whole one
             self.arrival_log = []
 

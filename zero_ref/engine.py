@@ -412,10 +412,7 @@ class ZeroEngine:
         micro-batch reaches them (weight decay, momentum); by default it updates only those that do."""
         self._check_open()
         step_failures.check_nobody_failed_at_the_boundary(self, discarding=True)
-        used = self.stage.used
-        self.stage.zero_grads()
-        if not set_to_none:
-            self.stage.used = used
+        self.stage.zero_grads(keep_used=not set_to_none)
         self.stage.polluted = None
         self.micro_step %= self.config.grad_accum_steps
 
@@ -434,14 +431,21 @@ class ZeroEngine:
                                "ranks may be at different points of a step, so it cannot go on. Build a new "
                                "engine with zero_ref.initialize (and load the last checkpoint to resume)")
 
+    def _open_collective_call(self, call: str, discarding: bool = False) -> None:
+        """The start of a collective call that training does not make (comm.CALLS): the step
+        statistics first if this rank stopped at a boundary without stepping (so a rank that calls
+        it where the others step meets them there: step_failures.py), then the call's name on the
+        calls channel (a call made on some ranks only waits there alone: comm.py)."""
+        self._check_open()
+        step_failures.check_nobody_failed_at_the_boundary(self, discarding)
+        self.comm.announce(call)
+
     # --- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self, path, keep: int = 2, lr_scheduler=None):
         """Write a sharded checkpoint under the folder `path` (every rank calls it; see checkpoint.py),
         with the parameter groups' hyper-parameters and, if given, `lr_scheduler`'s state. Returns the
         new checkpoint's folder; `path/latest` names it once it is complete."""
-        self._check_open()
-        step_failures.check_nobody_failed_at_the_boundary(self)
-        self.comm.announce("save_checkpoint")
+        self._open_collective_call("save_checkpoint")
         self._adopt_param_writes()
         return checkpoint.save_checkpoint(self, self._mp_path(path), keep, lr_scheduler)
 
@@ -449,9 +453,7 @@ class ZeroEngine:
         """Load a checkpoint written at any world size and stage (every rank calls it), and the state
         of `lr_scheduler` if given. Every rank verifies what it reads, then all vote: a failure
         anywhere changes nothing anywhere. The step in progress, if any, is dropped."""
-        self._check_open()
-        step_failures.check_nobody_failed_at_the_boundary(self, discarding=True)
-        self.comm.announce("load_checkpoint")
+        self._open_collective_call("load_checkpoint", discarding=True)
         checkpoint.load_checkpoint(self, self._mp_path(path), lr_scheduler)
 
     def _mp_path(self, path):
@@ -481,9 +483,7 @@ class ZeroEngine:
         every parameter present (a tied one under any of its names, equal under each), shapes as the
         model's, no unknown key, and the same values on every rank; a state dict refused on one rank
         is refused on every rank (state_dict.py)."""
-        self._check_open()
-        step_failures.check_nobody_failed_at_the_boundary(self)
-        self.comm.announce("load_state_dict")
+        self._open_collective_call("load_state_dict")
         state_dict_io.load_state_dict(self, state_dict)
 
     def full_state_dict(self, rank0_only: bool = False, device: str | torch.device = "cpu"
@@ -492,9 +492,7 @@ class ZeroEngine:
         of its names) plus persistent buffers, from the fp32 master weights. Collective: every rank
         calls it. Groups are gathered one at a time, so the engine's device holds at most one full
         group beyond its shards; with `rank0_only` the other ranks return {} and hold no copy."""
-        self._check_open()
-        step_failures.check_nobody_failed_at_the_boundary(self)
-        self.comm.announce("full_state_dict")
+        self._open_collective_call("full_state_dict")
         self._adopt_param_writes()
         return state_dict_io.full_state_dict(self, rank0_only, torch.device(device))
 

@@ -80,7 +80,7 @@ class GradStats:
             stats[mp_slots] = head
 
     def step_statistics(self, optimizer, frozen: list[nn.Parameter], failed_at: int, ranks: int,
-                        stepping: bool = True) -> StepStatistics:
+                        stepping: bool) -> StepStatistics:
         """The step's one small all-reduce and host sync: [sum of squares, non-finite flag, one 0/1
         per parameter (did it get a gradient?), the hyper-parameters' agreement fingerprint and
         `failed_at` (the micro-batch at which this rank's forward or backward raised, 0: none;

@@ -110,9 +110,11 @@ class Stage:
     def after_update(self) -> None:
         """After the optimizer has updated every segment."""
 
-    def zero_grads(self) -> None:
-        """Clear gradients (and the record of which parameters got one) for the next step."""
-        self.used = bytearray(len(self.trainable))
+    def zero_grads(self, keep_used: bool = False) -> None:
+        """Clear gradients and, unless `keep_used` (torch's zero_grad(set_to_none=False): a gradient of
+        zeros is still one), the record of which parameters got one."""
+        if not keep_used:
+            self.used = bytearray(len(self.trainable))
         self._zero_grad_buffers()
 
     def _zero_grad_buffers(self) -> None:
