@@ -1,6 +1,8 @@
 """What torch users do to a model an engine holds, checked against the same loop in plain torch:
 `model.zero_grad()` after each step, before each micro-batch or once in the middle of one step;
-`torch.save(model)` and `copy.deepcopy(model)`; the model's own `zero_grad` back after `close()`."""
+`torch.save(model)` and `copy.deepcopy(model)`; the model's own `zero_grad` back after `close()`;
+two losses of one forward backwarded apart (`retain_graph=True`); a gradient penalty through
+`torch.autograd.grad(..., create_graph=True)`."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import itertools
 
 import pytest
 import torch
+from torch import nn
 
 import zero_ref
 from scenarios import LR, DataDependentOrder, WithUnused, cfg, lm_loss, local, state_error, token_batches
@@ -101,3 +104,78 @@ def test_torch_save_and_deepcopy_of_the_model(stage):
             assert kind == "refused" and "full_state_dict" in detail, detail
         else:
             assert kind == "saved" and max(detail) == 0.0, detail
+
+
+class Regressor(nn.Module):
+    """Float inputs, so a loss can hold the gradient of the output with respect to them."""
+
+    def __init__(self, dim: int = 6, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = nn.Sequential(nn.Linear(dim, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _two_losses(out: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+    return [lm_loss(out, tokens), 0.5 * out.pow(2).mean()]
+
+
+def _penalised(forward, x: torch.Tensor) -> torch.Tensor:
+    """A WGAN-GP-like loss: the output plus the squared norm of its gradient with respect to x."""
+    x = x.clone().requires_grad_(True)
+    out = forward(x)
+    (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return out.pow(2).mean() + (grad_x.norm(dim=1) - 1).pow(2).mean()
+
+
+def _losses_apart_and_penalty(rank, world, stage):
+    """Two losses of one forward, each its own engine.backward (so grad_accum_steps=2 makes one step of
+    them), then a gradient penalty; each against the same loop in plain torch."""
+    batches = token_batches(3, 2 * world)
+    model, reference = DataDependentOrder(), DataDependentOrder()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+    engine = zero_ref.initialize(model, cfg(stage, grad_accum_steps=2))
+    for tokens in batches:
+        first, second = _two_losses(engine(local(tokens, rank, world)), local(tokens, rank, world))
+        engine.backward(first, retain_graph=True)
+        engine.backward(second)
+        assert engine.step()
+        for part in tokens.chunk(world):
+            sum(_two_losses(reference(part), part)).div(2 * world).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    apart = state_error(engine.full_state_dict(), reference.state_dict())
+    engine.close()
+
+    g = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(2 * world, 6, generator=g) for _ in range(3)]
+    model, reference = Regressor(), Regressor()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+    engine = zero_ref.initialize(model, cfg(stage))
+    try:
+        for x in inputs:
+            engine.backward(_penalised(engine, local(x, rank, world)))
+            assert engine.step()
+            sum(_penalised(reference, part) for part in x.chunk(world)).div(world).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        penalty = state_error(engine.full_state_dict(), reference.state_dict())
+    except RuntimeError as err:
+        penalty = str(err)
+    engine.close()
+    return apart, penalty
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_losses_backwarded_apart_and_a_gradient_penalty(stage):
+    """engine.backward took no retain_graph (TypeError), so two losses of one forward could only be
+    summed first. A gradient penalty (torch.autograd.grad with create_graph) is exact at stages 0-2;
+    stage 3 frees the parameters such a gradient needs and says so on every rank."""
+    for apart, penalty in spawn(_losses_apart_and_penalty, 3, stage):
+        assert apart < 1e-5, apart
+        if stage == 3:
+            assert isinstance(penalty, str) and "torch.autograd.grad" in penalty, penalty
+        else:
+            assert penalty < 1e-5, penalty

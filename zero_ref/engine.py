@@ -277,9 +277,11 @@ class ZeroEngine:
         grad_accum_steps)."""
         return self.micro_step > 0 and self.micro_step % self.config.grad_accum_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backward of `loss` (scaled by the fp16 loss scale and 1 / grad_accum_steps). At a step
-        boundary every gradient reduction of the step has finished on return."""
+        boundary every gradient reduction of the step has finished on return. Each call is one
+        micro-batch of the count toward grad_accum_steps, so two losses of one forward backwarded
+        apart (the first with `retain_graph=True`, as torch's `loss.backward` takes it) count two."""
         self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects the scalar loss tensor of this micro-batch")
@@ -293,7 +295,7 @@ class ZeroEngine:
             with label("zero_ref.backward"):
                 stage.begin_backward(boundary)
                 with stage.backward_context():
-                    (loss * (self.scaler.scale / self.config.grad_accum_steps)).backward()
+                    (loss * (self.scaler.scale / self.config.grad_accum_steps)).backward(retain_graph=retain_graph)
                 stage.end_backward(boundary)
             self._boundary_unchecked = boundary
         except BaseException as err:   # some gradients may be in, some reductions not: refuse to step

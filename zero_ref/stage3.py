@@ -92,9 +92,12 @@ FOREIGN_BACKWARD = (
     "stage 3: a backward outside this engine's engine.backward(loss) reached one of its modules, whose "
     "parameters that backward needs gathered. Either loss.backward() was called instead of "
     "engine.backward(loss), or this model's output is part of a loss that another engine (or plain autograd) "
-    "differentiates, as a GAN's discriminator is in the generator's loss. At stage 3 a model takes part in "
+    "differentiates, as a GAN's discriminator is in the generator's loss, or torch.autograd.grad ran through "
+    "it (a gradient penalty, a saliency map: stage 3 frees the parameters such a gradient needs, and a "
+    "gradient of a gradient would hold them past the forward). At stage 3 a model takes part in "
     "backward only through its own engine.backward: put both models in one engine, or give this one stage "
-    "0-2 (frozen with requires_grad_(False) for that backward, it then needs nothing). The gradients "
+    "0-2 (frozen with requires_grad_(False) for that backward, it then needs nothing; stages 0-2 also take "
+    "torch.autograd.grad, create_graph included). The gradients "
     "accumulated since the last step are not usable: engine.zero_grad() discards them")
 
 
