@@ -12,11 +12,16 @@ next step silently undoes.
 - `engine.load_state_dict` writes new values at every stage and precision; in bf16, values written
   into the parameters in place (`model.load_state_dict`) are adopted by the fp32 master the step
   reads (they used to be overwritten from it), and a write on one rank only is refused.
+- Writes inside the forward: the same on every rank (a weight clamped in place) is exact at stages
+  0-2; one that depends on each rank's batch (`nn.Embedding(max_norm=...)`) is refused on every
+  rank, as is any at stage 3 (its gathered buffer is freed, the write with it); in fp32 too, where
+  a write on one rank only used to leave the ranks training different models.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -224,3 +229,89 @@ def test_load_state_dict_at_an_odd_world_size_with_tied_and_frozen_parameters():
         for stage in range(4):
             assert state_error(out[stage], new) == 0.0, stage
             assert "'embed.weight' and 'head.weight' are one tied parameter but differ" in out["tied", stage]
+
+
+class Clamped(nn.Module):
+    """Clamps a weight in place in every forward: the same write on every rank."""
+
+    def __init__(self, dim: int = 16, vocab: int = 23):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.body.weight.clamp_(-0.2, 0.2)
+        return self.head(torch.tanh(self.body(self.embed(tokens))))
+
+
+class Renormed(nn.Module):
+    """nn.Embedding(max_norm=1) renormalises, in place, the rows each rank's batch looks up."""
+
+    def __init__(self, dim: int = 16, vocab: int = 23):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, dim, max_norm=1.0)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens))
+
+
+def _writes_in_forward(rank: int, world: int) -> dict:
+    import zero_ref
+
+    out = {}
+    batches = token_batches(3, 2 * world)
+    for stage, make, dtype in itertools.product(range(4), (Clamped, Renormed), ("fp32", "bf16")):
+        with zero_ref.initialize(make(), cfg(stage, dtype=dtype)) as engine:
+            try:
+                for tokens in batches:
+                    part = local(tokens, rank, world)
+                    engine.backward(lm_loss(engine(part), part))
+                    engine.step()
+                out[stage, make.__name__, dtype] = engine.full_state_dict()
+            except ValueError as err:
+                out[stage, make.__name__, dtype] = str(err)
+    for stage in range(3):   # fp32, a write on one rank only: stage 0 trained on with the ranks apart
+        with zero_ref.initialize(Penalised(), cfg(stage)) as engine:
+            part = local(batches[0], rank, world)
+            engine.backward(_loss(engine(part), part))
+            if rank == 0:
+                with torch.no_grad():
+                    engine.module.head.bias.zero_()
+            try:
+                engine.step()
+                out["one rank", stage] = None
+            except ValueError as err:
+                out["one rank", stage] = str(err)
+    return out
+
+
+def test_writes_inside_the_forward_are_adopted_when_every_rank_makes_them_alike_and_refused_otherwise():
+    """Before: Renormed was silently wrong at every stage (up to 3.3 from torch's weights), and a write
+    on one rank in fp32 went unseen."""
+    batches = token_batches(3, 4)
+    reference = Clamped()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+    for tokens in batches:
+        for part in tokens.chunk(2):   # one backward each: the next forward's clamp_ is an in-place write
+            (lm_loss(reference(part), part) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for rank, out in enumerate(spawn(_writes_in_forward, 2, timeout=300)):
+        for stage in range(4):
+            clamped, renormed = out[stage, "Clamped", "fp32"], out[stage, "Renormed", "fp32"]
+            if stage == 3:
+                for refused in (clamped, renormed, out[3, "Clamped", "bf16"], out[3, "Renormed", "bf16"]):
+                    assert "stage 3: a parameter was written in place while its unit was gathered on 2 of 2 " \
+                           "ranks" in refused, refused
+                continue
+            assert state_error(clamped, reference.state_dict()) < ATOL, stage
+            assert isinstance(out[stage, "Clamped", "bf16"], dict), out[stage, "Clamped", "bf16"]
+            for refused in (renormed, out[stage, "Renormed", "bf16"]):
+                assert f"rank(s) {1 - rank} hold other values than rank {rank}" in refused, refused
+            assert "written from outside the engine (in place: load_state_dict, nn.init, copy_) on 1 of 2 " \
+                   "ranks" in out["one rank", stage], out["one rank", stage]

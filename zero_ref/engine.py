@@ -55,9 +55,11 @@ compute and communication waits (experiments/throughput.py).
   every parameter and, if any rank finds one, raises RuntimeError on every rank before anything is
   updated. Write values with `engine.load_state_dict(...)` (any stage, any precision) or in place
   (`model.load_state_dict`, `nn.init`, `with torch.no_grad(): param.copy_(...)`, at stages 0-2):
-  in bf16/fp16 the step adopts such writes into the fp32 master, on every rank or, made on some
-  ranks only, not at all (ValueError on every rank). A write into `param.data` is invisible to
-  torch's count of in-place writes, so in bf16/fp16 the next step overwrites it.
+  the step adopts such writes (in bf16/fp16 into the fp32 master) if every rank wrote the same
+  values, and otherwise (some ranks only; nn.Embedding(max_norm=...) renormalising each rank's own
+  rows) updates nothing (ValueError on every rank); stage 3 refuses any write made while a unit
+  was gathered. A write into `param.data` is invisible to torch's count of in-place writes, so
+  in bf16/fp16 the next step overwrites it.
 * Which parameters are trainable is fixed at `initialize`. One frozen after it
   (`requires_grad_(False)`) gets no gradient, so no step changes it, as torch's AdamW leaves a
   parameter without one; the engine still holds it, and checkpoints save and load it. One frozen at
@@ -86,7 +88,7 @@ from .in_flight import CollectiveError
 from .labels import label
 from .param_groups import ZeroOptimizer, build_groups
 from .precision import LossScaler
-from .same_everywhere import check_same_everywhere
+from .same_everywhere import check_same_everywhere, ranks_with_other_values
 from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2
@@ -367,25 +369,51 @@ class ZeroEngine:
 
     def _adopt_param_writes(self, ranks_written: float | None = None) -> None:
         """Values written into the parameters in place since the engine last wrote them
-        (model.load_state_dict, nn.init, a no_grad copy_ in bf16/fp16; stage_base.py) become the
-        master's before anything reads it: on every rank, or, written on some ranks only, a
-        ValueError on every rank and nothing changed. ``ranks_written``: how many ranks found a write
-        (step sums it with its statistics; None: count it here)."""
-        if not self.stage.tracks_param_writes:
-            return
+        (model.load_state_dict, nn.init, a no_grad copy_, nn.Embedding(max_norm=...) in its forward;
+        stage_base.py) become the master's before anything reads it, if every rank wrote the same
+        values; otherwise a ValueError on every rank and the step changes nothing. Stage 3 loses
+        such a write with the gathered buffer, so it refuses any (stage3.py). ``ranks_written``: how
+        many ranks found a write (step sums it with its statistics; None: count it here)."""
+        stage = self.stage
         if ranks_written is None:
-            flag = torch.tensor([float(self.stage.params_written())], device=self.stage.device)
+            if stage.params_sharded:   # the step refuses what was lost; reading the masters is exact
+                return
+            flag = torch.tensor([float(stage.params_written())], device=stage.device)
             if self.comm.world_size > 1:
                 self.comm.all_reduce(flag, "sum", in_step=False)
             ranks_written = flag.item()
+        if not ranks_written:
+            return
         everyone = self._ranks_summed
-        if 0 < ranks_written < everyone:
+        on = f"on {int(ranks_written)} of {everyone} ranks"
+        if stage.params_sharded:
+            here = stage.written_while_gathered
+            stage.note_param_writes()
+            raise ValueError(
+                f"stage 3: a parameter was written in place while its unit was gathered {on} (here: "
+                f"{f'unit {here!r}' if here else 'none'}), inside a forward or backward: nn.Embedding(max_norm=...) "
+                "renormalises the rows its batch looks up so. Stage 3 frees a unit's gathered parameters after "
+                "use, so the write is lost, while this step's gradients were computed from the written values. "
+                "Nothing was updated (engine.zero_grad() discards the gradients). Keep in-place writes out of "
+                "the forward (renormalise without writing the weight), or write values with "
+                "engine.load_state_dict")
+        if ranks_written < everyone:
             raise ValueError(
                 f"the parameters were written from outside the engine (in place: load_state_dict, nn.init, copy_) "
-                f"on {int(ranks_written)} of {everyone} ranks: the ranks would train different models. Nothing "
-                "was changed; write the same values on every rank (engine.load_state_dict does it for you)")
-        if ranks_written:
-            self.stage.adopt_param_writes()
+                f"{on}: the ranks would train different models. Nothing was changed; write the same values on "
+                "every rank (engine.load_state_dict does it for you)")
+        if everyone > 1:
+            mine = stage.param_digest()
+            differ = ranks_with_other_values(self.comm.all_gather_object(mine), mine)
+            if differ:
+                raise ValueError(
+                    f"the parameters were written from outside the engine (in place) on every rank, but rank(s) "
+                    f"{', '.join(map(str, differ))} hold other values than rank {self.comm.rank}: the ranks would "
+                    "train different models. A write that depends on each rank's batch does so: "
+                    "nn.Embedding(max_norm=...) renormalises, in its forward, the rows its batch looks up. Nothing "
+                    "was updated; keep such writes out of the forward (renormalise without writing the weight), "
+                    "and write the same values on every rank (engine.load_state_dict does it for you)")
+        stage.adopt_param_writes()
 
     def _skip_step(self) -> bool:
         """Non-finite gradients on some rank (the same decision on every rank): change nothing."""

@@ -7,14 +7,18 @@ collectives) or group the parameters differently would pair the wrong collective
 aborts on a size mismatch, or the numbers are silently wrong. So each rank sends one description
 of what it was given (`all_gather_object` on the control channel, once per engine), and every
 rank raises the same ValueError, naming the first difference, when they differ; a `param_groups`
-refused on some ranks only is refused on every rank.
+refused on some ranks only is refused on every rank. Values are compared later the same way, by a
+digest of each tensor (`value_digest`, `ranks_with_other_values`): a state dict given to
+`engine.load_state_dict`, parameters written in place from outside the engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
+import torch
 from torch import nn
 
 from .comm import Comm
@@ -96,3 +100,22 @@ def _check_groups(everyone: list[dict]) -> None:
                 values = ", ".join(f"{key}={a} on rank 0 but {b} on rank {rank}"
                                    for key, a, b in zip(HYPER_KEYS, hyper_0, hyper) if a != b)
                 raise ValueError(f"param_groups differ across ranks: group {i} has {values}")
+
+
+def value_digest(values: list[torch.Tensor]) -> list[tuple[float, float, float]]:
+    """Each tensor's fp64 (sum, sum of magnitudes, sum of squares): a few numbers per tensor that
+    ranks exchange to learn whether they hold the same values."""
+    return [(v.sum(dtype=torch.float64).item(), v.abs().sum(dtype=torch.float64).item(),
+             v.double().square().sum().item()) for v in values]
+
+
+def ranks_with_other_values(everyone: list[list], mine: list) -> list[int]:
+    """The ranks whose digest differs from `mine`. The same values summed in another order differ
+    by rounding only, so sums agree within 1e-9 of their magnitudes."""
+    def same(a, b) -> bool:
+        (sum_a, abs_a, sq_a), (sum_b, abs_b, sq_b) = a, b
+        return (abs(sum_a - sum_b) <= 1e-9 * max(abs_a, abs_b) + 1e-30 and math.isclose(abs_a, abs_b, rel_tol=1e-9)
+                and math.isclose(sq_a, sq_b, rel_tol=1e-9))
+
+    return [rank for rank, theirs in enumerate(everyone)
+            if len(theirs) != len(mine) or not all(same(a, b) for a, b in zip(theirs, mine))]

@@ -156,6 +156,8 @@ class Stage3(Stage):
         self.optimizer = self._make_optimizer(self.param_shards)
 
         self.state = [UnitState.FREED] * len(self.groups)
+        self.gathered_version = [0] * len(self.groups)   # _unit_version once gathered
+        self.written_while_gathered: str | None = None  # a unit written in place while gathered, since the step
         self.pending: dict[int, object] = {}     # unit -> its all-gather in flight
         self.scratch: list = []                  # (buffer, gather) for gathers of a unit already held
         self.users = [0] * len(self.groups)      # unit roots inside their forward using the unit
@@ -214,12 +216,15 @@ class Stage3(Stage):
         if self.state[g] is UnitState.GATHERING:
             self.pending.pop(g).wait()
             self.state[g] = UnitState.GATHERED
+            self.gathered_version[g] = self._unit_version(g)
             if self.device.type == "cuda":   # allocated on the gather stream, used on this one
                 self.full_params[g].record_stream(torch.cuda.current_stream(self.device))
 
     def _free(self, g: int) -> None:
         self._wait(g)
         if self.state[g] is UnitState.GATHERED:
+            if self._unit_version(g) != self.gathered_version[g] and self.written_while_gathered is None:
+                self.written_while_gathered = self.unit_names[g]   # lost with the buffer: the step refuses
             with label("zero_ref::free unit", g):
                 self.full_params[g].untyped_storage().resize_(0)
             self.state[g] = UnitState.FREED
@@ -376,6 +381,21 @@ class Stage3(Stage):
 
     def param_buffer(self, g: int) -> torch.Tensor:
         return self.full_params[g]
+
+    # --- writes into the parameters from outside the engine ------------------------------------------
+    # A parameter has values only while its unit is gathered, and the gathered buffer is freed after
+    # use, so an in-place write inside the forward (nn.Embedding(max_norm=...) renormalises the rows
+    # its batch looks up) is lost, while the gradients were computed from the written values: the
+    # step refuses it on every rank (engine._adopt_param_writes).
+    def _unit_version(self, g: int) -> int:
+        """torch's count of in-place writes into unit g's parameters, summed (each only grows)."""
+        return sum(param._version for param in self.groups[g].params)
+
+    def note_param_writes(self) -> None:
+        self.written_while_gathered = None
+
+    def params_written(self) -> bool:
+        return self.written_while_gathered is not None
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [self.flat_param_shard, *self.full_params], "grads": [self.flat_grad_shard],

@@ -29,6 +29,7 @@ from .comm import Comm
 from .config import ZeroConfig
 from .optim import ShardedAdamW
 from .partition import FlatGroup
+from .same_everywhere import value_digest
 
 BARE_BACKWARD = ("a backward pass reached zero-ref's gradient hooks outside engine.backward(loss): call "
                  "engine.backward(loss) instead of loss.backward() (it applies the fp16 loss scale and "
@@ -206,34 +207,40 @@ class Stage:
         self.after_update()
         self.note_param_writes()
 
-    # --- writes into the parameters from outside the engine (bf16/fp16, stages 0-2) ----------------
-    # Training reads the fp32 master; the parameters are its rounded copy. A value written into a
-    # parameter in place (model.load_state_dict, nn.init, a no_grad copy_) would be overwritten from
-    # the master at the next step, so the engine adopts it first. torch counts in-place writes per
-    # parameter (`_version`); a write into `param.data` is not counted.
-    @property
-    def tracks_param_writes(self) -> bool:
-        """Whether the parameters are a copy of a separate master (bf16/fp16, not stage 3, whose
-        parameters have no values outside the forward)."""
-        return not self.params_sharded and any(out is not None for out in self.optimizer.low_precision)
-
-    def _param_versions(self) -> list[int]:
-        return [param._version for group in self.groups for param in group.params]
+    # --- writes into the parameters from outside the engine (stages 0-2; stage3.py has its own) -----
+    # Each rank holds the whole parameters, but updates only its segments: in bf16/fp16 training
+    # reads the fp32 master and the parameters are its rounded copy; in fp32 this rank's segments
+    # are the master and the rest is rewritten from the other ranks' at the regather. So a value
+    # written into a parameter in place (model.load_state_dict, nn.init, a no_grad copy_,
+    # nn.Embedding(max_norm=...) renormalising rows in its forward) is adopted at the next step if
+    # every rank wrote the same values, and refused otherwise (engine._adopt_param_writes). torch
+    # counts in-place writes per tensor (`_version`, shared by a flat buffer's views); a write into
+    # `param.data` is not counted.
+    def _param_versions(self) -> dict[int, int]:
+        """Each parameter's version by identity (the first backward may lay the groups out anew)."""
+        return {id(param): param._version for group in self.groups for param in group.params}
 
     def note_param_writes(self) -> None:
         """The engine wrote the parameters: remember their versions."""
-        self.param_versions = self._param_versions() if self.tracks_param_writes else []
+        self.param_versions = self._param_versions()
 
     def params_written(self) -> bool:
         """Whether something outside the engine wrote into the parameters since it last did."""
-        return self.tracks_param_writes and self._param_versions() != self.param_versions
+        return self._param_versions() != self.param_versions
+
+    def param_digest(self) -> list[tuple[float, float, float]]:
+        """A digest of every group's parameters (same_everywhere.value_digest), to compare across ranks."""
+        return value_digest([self.param_buffer(g) for g in range(len(self.groups))])
 
     def adopt_param_writes(self) -> None:
         """Make the values written into this rank's pieces of the parameters its master's (only the
-        elements that differ from the rounded master: the others keep the master's full precision)."""
-        masters = self.optimizer.masters
+        elements that differ from the rounded master: the others keep the master's full precision;
+        in fp32 the pieces are the master already)."""
+        masters, low_precision = self.optimizer.masters, self.optimizer.low_precision
         with torch.no_grad():
             for param, start, end, g, offset in self.owned_pieces():
+                if low_precision[g] is None:
+                    continue
                 written = param.detach().reshape(-1)[start:end]
                 master = masters[g][offset:offset + end - start]
                 master.copy_(torch.where(written != master.to(written.dtype), written.to(master.dtype), master))

@@ -16,7 +16,6 @@ checkpoints (checkpoint._apply) restore through it too.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Callable
 
@@ -24,6 +23,7 @@ import torch
 
 from .manifest import persistent_buffers
 from .refusals import refuse_together
+from .same_everywhere import ranks_with_other_values, value_digest
 
 
 def names_by_param(module: torch.nn.Module) -> dict[int, list[str]]:
@@ -82,17 +82,12 @@ def _check_same_on_every_rank(comm, problems: list[str], values: list[torch.Tens
     """Every rank is given the whole state dict and copies its own pieces, then the parameters are
     regathered: a state dict refused on some ranks only must be refused on every rank (the others
     would wait in the regather), and different values on different ranks would load a mix of them.
-    One exchange on the control channel: each rank's problems and each tensor's fp64 sum and sum of
-    squares."""
+    One exchange on the control channel: each rank's problems and each tensor's digest
+    (same_everywhere.value_digest)."""
     refusal = ValueError("load_state_dict: " + "; ".join(problems) + ". Nothing was changed") if problems else None
-    digest = []
-    if values and not problems and comm.world_size > 1:
-        digest = torch.stack([torch.stack([v.double().sum(), v.double().square().sum()]) for v in values]).tolist()
+    digest = value_digest(values) if values and not problems and comm.world_size > 1 else []
     everyone = refuse_together(comm, refusal, digest, what="load_state_dict")
-    differ = [rank for rank, theirs in enumerate(everyone)
-              if len(theirs) != len(digest) or not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
-                                                      for pair_a, pair_b in zip(theirs, digest)
-                                                      for a, b in zip(pair_a, pair_b))]
+    differ = ranks_with_other_values(everyone, digest)
     if differ:
         raise ValueError(f"load_state_dict was given other values on rank(s) {', '.join(map(str, differ))} than on "
                          f"rank {comm.rank}: every rank must pass the same state dict (each loads only its own "
