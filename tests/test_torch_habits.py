@@ -72,6 +72,8 @@ def test_model_zero_grad_discards_as_torch_does(stage):
 def _save_and_copy(rank, world, stage):
     model = DataDependentOrder()
     engine = zero_ref.initialize(model, cfg(stage))
+    assert engine.eval() is engine and not model.training   # as on a module (and DeepSpeed's engine)
+    assert engine.train() is engine and model.training
     for tokens in token_batches(2, 2 * world):
         part = local(tokens, rank, world)
         engine.backward(lm_loss(engine(part), part))

@@ -259,6 +259,15 @@ class ZeroEngine:
 
     forward = __call__
 
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        """`module.train(mode)`, as a torch module or DeepSpeed's engine takes it; returns the engine."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ZeroEngine":
+        """`module.eval()` (dropout off, batch norm on its running statistics); returns the engine."""
+        return self.train(False)
+
     def _forward_needs_every_rank(self, err: CollectiveError, what: str) -> CollectiveError:
         """The forward's collective did not complete: most often a forward run on some ranks only
         (an evaluation on rank 0), which the error says, with the way to do that."""
