@@ -92,7 +92,7 @@ from .same_everywhere import check_same_everywhere, ranks_with_other_values
 from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2
-from .stage3 import Stage3
+from .stage3 import Stage3, refuse_compiled
 from .stage_base import Stage
 
 MEMORY_CATEGORIES = ("params", "grads", "optimizer_states", "buffers", "comm_buffers")
@@ -144,6 +144,8 @@ def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.Process
                              f"dimensions {names or None} of shape {tuple(getattr(mesh, 'shape', ()))}")
         process_group, mp_group = mesh.get_group("dp"), mesh.get_group("mp")
     ownership.check_not_taken(model)
+    if config.stage == 3:
+        refuse_compiled(model)
     materializer = None
     backend = str(dist.get_backend_config(process_group) if hasattr(dist, "get_backend_config")
                   else dist.get_backend(process_group))

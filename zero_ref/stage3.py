@@ -101,6 +101,21 @@ FOREIGN_BACKWARD = (
     "accumulated since the last step are not usable: engine.zero_grad() discards them")
 
 
+def refuse_compiled(model: nn.Module) -> None:
+    """Stage 3 gathers each unit's parameters in module hooks and watches parameter reads with a
+    TorchFunctionMode; torch.compile traces into both and fails inside dynamo. Say so at initialize,
+    before anything changes (stages 0-2 keep their work in gradient hooks, which compiled graphs run)."""
+    wrapper = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", ())   # none if never imported
+    for name, module in model.named_modules():
+        if isinstance(module, wrapper) or \
+                getattr(module, "_compiled_call_impl", None) is not None:
+            where = f"its submodule {name!r}" if name else "the model"
+            raise ValueError(
+                f"stage 3 cannot train a torch.compile'd model ({where} is compiled): stage 3 gathers each "
+                "unit's parameters in module hooks and watches parameter reads, which torch.compile cannot "
+                "trace. Give stage 3 the model uncompiled, or compile it at stages 0-2")
+
+
 def _internal(method):
     """Mark a hook body as the stage's own code, which the external-use watcher does not watch."""
     @functools.wraps(method)
