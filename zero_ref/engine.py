@@ -79,7 +79,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import activations, checkpoint, materialize, ownership, step_failures
+from . import activations, checkpoint, materialize, ownership, param_writes, step_failures
 from . import state_dict as state_dict_io
 from .comm import Comm, CommLedger
 from .config import ZeroConfig
@@ -88,7 +88,7 @@ from .in_flight import CollectiveError
 from .labels import label
 from .param_groups import ZeroOptimizer, build_groups
 from .precision import LossScaler
-from .same_everywhere import check_same_everywhere, ranks_with_other_values
+from .same_everywhere import check_same_everywhere
 from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2
@@ -335,7 +335,7 @@ class ZeroEngine:
             raise RuntimeError(detached_message(self.module, self.dtype, summed.detached, summed.unfrozen))
         if summed.hyper_error or summed.disagreement:
             raise summed.hyper_error or ValueError(summed.disagreement)
-        self._adopt_param_writes(summed.written)
+        param_writes.adopt_or_refuse(self, summed.written)
         sum_sq, nonfinite, used, grads = summed.sum_sq, summed.nonfinite, summed.used, summed.grads
         if nonfinite:
             return self._skip_step()
@@ -377,54 +377,6 @@ class ZeroEngine:
         """How many ranks' values a sum over the data-parallel group adds up: a fake group (the
         engine at scale, at_scale.py) sums nothing, so every "sum" is this rank's own value."""
         return 1 if self.comm.backend == "fake" else self.comm.world_size
-
-    def _adopt_param_writes(self, ranks_written: float | None = None) -> None:
-        """Values written into the parameters in place since the engine last wrote them
-        (model.load_state_dict, nn.init, a no_grad copy_, nn.Embedding(max_norm=...) in its forward;
-        stage_base.py) become the master's before anything reads it, if every rank wrote the same
-        values; otherwise a ValueError on every rank and the step changes nothing. Stage 3 loses
-        such a write with the gathered buffer, so it refuses any (stage3.py). ``ranks_written``: how
-        many ranks found a write (step sums it with its statistics; None: count it here)."""
-        stage = self.stage
-        if ranks_written is None:
-            if stage.params_sharded:   # the step refuses what was lost; reading the masters is exact
-                return
-            flag = torch.tensor([float(stage.params_written())], device=stage.device)
-            if self.comm.world_size > 1:
-                self.comm.all_reduce(flag, "sum", in_step=False)
-            ranks_written = flag.item()
-        if not ranks_written:
-            return
-        everyone = self._ranks_summed
-        on = f"on {int(ranks_written)} of {everyone} ranks"
-        if stage.params_sharded:
-            here = stage.written_while_gathered
-            stage.note_param_writes()
-            raise ValueError(
-                f"stage 3: a parameter was written in place while its unit was gathered {on} (here: "
-                f"{f'unit {here!r}' if here else 'none'}), inside a forward or backward: nn.Embedding(max_norm=...) "
-                "renormalises the rows its batch looks up so. Stage 3 frees a unit's gathered parameters after "
-                "use, so the write is lost, while this step's gradients were computed from the written values. "
-                "Nothing was updated (engine.zero_grad() discards the gradients). Keep in-place writes out of "
-                "the forward (renormalise without writing the weight), or write values with "
-                "engine.load_state_dict")
-        if ranks_written < everyone:
-            raise ValueError(
-                f"the parameters were written from outside the engine (in place: load_state_dict, nn.init, copy_) "
-                f"{on}: the ranks would train different models. Nothing was changed; write the same values on "
-                "every rank (engine.load_state_dict does it for you)")
-        if everyone > 1:
-            mine = stage.param_digest()
-            differ = ranks_with_other_values(self.comm.all_gather_object(mine), mine)
-            if differ:
-                raise ValueError(
-                    f"the parameters were written from outside the engine (in place) on every rank, but rank(s) "
-                    f"{', '.join(map(str, differ))} hold other values than rank {self.comm.rank}: the ranks would "
-                    "train different models. A write that depends on each rank's batch does so: "
-                    "nn.Embedding(max_norm=...) renormalises, in its forward, the rows its batch looks up. Nothing "
-                    "was updated; keep such writes out of the forward (renormalise without writing the weight), "
-                    "and write the same values on every rank (engine.load_state_dict does it for you)")
-        stage.adopt_param_writes()
 
     def _skip_step(self) -> bool:
         """Non-finite gradients on some rank (the same decision on every rank): change nothing."""
@@ -487,7 +439,7 @@ class ZeroEngine:
         with the parameter groups' hyper-parameters and, if given, `lr_scheduler`'s state. Returns the
         new checkpoint's folder; `path/latest` names it once it is complete."""
         self._open_collective_call("save_checkpoint")
-        self._adopt_param_writes()
+        param_writes.adopt_or_refuse(self)
         return checkpoint.save_checkpoint(self, self._mp_path(path), keep, lr_scheduler)
 
     def load_checkpoint(self, path, lr_scheduler=None) -> None:
@@ -534,7 +486,7 @@ class ZeroEngine:
         calls it. Groups are gathered one at a time, so the engine's device holds at most one full
         group beyond its shards; with `rank0_only` the other ranks return {} and hold no copy."""
         self._open_collective_call("full_state_dict")
-        self._adopt_param_writes()
+        param_writes.adopt_or_refuse(self)
         return state_dict_io.full_state_dict(self, rank0_only, torch.device(device))
 
     def memory_report(self) -> dict[str, int]:

@@ -401,7 +401,7 @@ class Stage3(Stage):
     # A parameter has values only while its unit is gathered, and the gathered buffer is freed after
     # use, so an in-place write inside the forward (nn.Embedding(max_norm=...) renormalises the rows
     # its batch looks up) is lost, while the gradients were computed from the written values: the
-    # step refuses it on every rank (engine._adopt_param_writes).
+    # step refuses it on every rank (param_writes.py).
     def _unit_version(self, g: int) -> int:
         """torch's count of in-place writes into unit g's parameters, summed (each only grows)."""
         return sum(param._version for param in self.groups[g].params)

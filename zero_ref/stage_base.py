@@ -207,15 +207,7 @@ class Stage:
         self.after_update()
         self.note_param_writes()
 
-    # --- writes into the parameters from outside the engine (stages 0-2; stage3.py has its own) -----
-    # Each rank holds the whole parameters, but updates only its segments: in bf16/fp16 training
-    # reads the fp32 master and the parameters are its rounded copy; in fp32 this rank's segments
-    # are the master and the rest is rewritten from the other ranks' at the regather. So a value
-    # written into a parameter in place (model.load_state_dict, nn.init, a no_grad copy_,
-    # nn.Embedding(max_norm=...) renormalising rows in its forward) is adopted at the next step if
-    # every rank wrote the same values, and refused otherwise (engine._adopt_param_writes). torch
-    # counts in-place writes per tensor (`_version`, shared by a flat buffer's views); a write into
-    # `param.data` is not counted.
+    # --- writes into the parameters from outside the engine (param_writes.py; stage3.py has its own) --
     def _param_versions(self) -> dict[int, int]:
         """Each parameter's version by identity (the first backward may lay the groups out anew)."""
         return {id(param): param._version for group in self.groups for param in group.params}
