@@ -22,26 +22,34 @@ from .config import DTYPES, KERNELS, STAGE_NAMES
 
 
 def _train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a tiny GPT-2 with ZeRO and report memory and communication")
-    p.add_argument("--stage", type=int, choices=sorted(STAGE_NAMES), default=2)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=1000)
-    p.add_argument("--seq", type=int, default=64)
+    p = sub.add_parser("train", help="train a tiny GPT-2 with ZeRO and report memory and communication",
+                       description="Train a tiny GPT-2 (models.tiny_gpt2) on synthetic sequences with ZeRO, spawning "
+                                   "--nproc gloo ranks (or one process per rank under torchrun), and print each "
+                                   "rank's loss, step time, memory by category and elements moved.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--stage", type=int, choices=sorted(STAGE_NAMES), default=2,
+                   help="ZeRO stage: 0 plain data parallel, 1 Pos, 2 Pos+g, 3 Pos+g+p")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="parameters and gradients (the optimizer keeps fp32 masters)")
+    p.add_argument("--nproc", "--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (must divide --hidden)")
+    p.add_argument("--vocab", type=int, default=1000, help="vocabulary size")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--grad-accum-steps", type=int, default=1)
-    p.add_argument("--bucket-numel", type=int, default=2**22)
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this")
+    p.add_argument("--grad-accum-steps", type=int, default=1, help="backwards per optimizer step")
+    p.add_argument("--bucket-numel", type=int, default=2**22,
+                   help="elements per gradient bucket (stages 0-2) or most per unit (stage 3): the paper's CB")
     p.add_argument("--no-overlap", action="store_true", help="reduce buckets synchronously")
-    p.add_argument("--prefetch", type=int, default=1)
-    p.add_argument("--kernels", choices=KERNELS, default="auto")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefetch", type=int, default=1, help="stage 3: units gathered ahead of the one in use")
+    p.add_argument("--kernels", choices=KERNELS, default="auto",
+                   help="the optimizer step's kernels: auto is Triton on CUDA, torch elsewhere")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
+    p.add_argument("--seed", type=int, default=0, help="model and data seed")
     p.add_argument("--csv", help="append one row per rank (memory, comm, step time) to this CSV file")
 
 
@@ -87,8 +95,9 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         losses.append(step_loss.item())   # (a device sync, so the step time below is complete)
         step_seconds.append(time.perf_counter() - start)
         bar.set_postfix(loss=f"{losses[-1]:.4f}", scale=engine.loss_scale)
-    timed = sorted(step_seconds[min(3, len(step_seconds) - 1):])   # after warm-up (compilation)
-    return {"rank": rank, "psi": psi, "losses": losses, "memory": engine.memory_report(),
+    warmup = min(3, len(step_seconds) - 1)   # steps left out of the median (compilation, first allocations)
+    timed = sorted(step_seconds[warmup:])
+    return {"rank": rank, "psi": psi, "losses": losses, "memory": engine.memory_report(), "warmup": warmup,
             "comm": engine.comm_stats()["last_step"], "skipped": engine.skipped_steps,
             "median_step_s": timed[len(timed) // 2],
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -110,7 +119,8 @@ def _print_train_report(results: list[dict], args) -> None:
     comm = first["comm"]
     moved = ", ".join(f"{k} {v:,}" for k, v in comm.items() if k != "total" and v)
     print(f"elements moved per rank in the last step: {comm['total']:,} = {comm['total'] / psi:.3f} Ψ ({moved})")
-    print(f"median step time (rank 0, after 3 warm-up steps): {first['median_step_s'] * 1e3:.1f} ms on {first['device']}")
+    print(f"median step time (rank 0, over {len(first['losses']) - first['warmup']} steps after {first['warmup']} "
+          f"warm-up): {first['median_step_s'] * 1e3:.1f} ms on {first['device']}")
     if args.csv:
         _append_csv(results, args)
 
