@@ -116,7 +116,8 @@ def show(f: dict, rank: int, plain: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zero-ref explain", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", type=int, nargs="+", choices=(0, 1, 2, 3), default=[3])
+    parser.add_argument("--stage", type=int, nargs="+", choices=(0, 1, 2, 3), default=[3],
+                        help="the stages to trace and tell, one after another (default 3)")
     parser.add_argument("--rank", type=int, default=0, help="whose events to print (default 0)")
     parser.add_argument("--plain", action="store_true", help="plain text, even when rich is installed")
     parser.add_argument("--json", help="also write every rank's rows of every stage asked to this file")
