@@ -105,8 +105,11 @@ def _check_groups(everyone: list[dict]) -> None:
 def value_digest(values: list[torch.Tensor]) -> list[tuple[float, float, float]]:
     """Each tensor's fp64 (sum, sum of magnitudes, sum of squares): a few numbers per tensor that
     ranks exchange to learn whether they hold the same values."""
-    return [(v.sum(dtype=torch.float64).item(), v.abs().sum(dtype=torch.float64).item(),
-             v.double().square().sum().item()) for v in values]
+    rows = [torch.stack([v.sum(dtype=torch.float64), v.abs().sum(dtype=torch.float64), v.double().square().sum()])
+            for v in values]
+    if len({row.device for row in rows}) == 1:   # one transfer (a GPU's parameters: one host sync)
+        return [tuple(row) for row in torch.stack(rows).tolist()]
+    return [tuple(row.tolist()) for row in rows]
 
 
 def ranks_with_other_values(everyone: list[list], mine: list) -> list[int]:
