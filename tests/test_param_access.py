@@ -315,3 +315,22 @@ def test_writes_inside_the_forward_are_adopted_when_every_rank_makes_them_alike_
                 assert f"rank(s) {1 - rank} hold other values than rank {rank}" in refused, refused
             assert "written from outside the engine (in place: load_state_dict, nn.init, copy_) on 1 of 2 " \
                    "ranks" in out["one rank", stage], out["one rank", stage]
+
+
+def test_the_value_digest_takes_any_dtype_and_tells_other_values_apart():
+    """The digest ranks compare (load_state_dict's values, parameters written in place): bool and
+    integer buffers included, a change of one element anywhere is another value, a sum in another
+    order is not."""
+    from zero_ref.same_everywhere import ranks_with_other_values, value_digest
+
+    torch.manual_seed(0)
+    values = [torch.tensor([True, False, True]), torch.arange(5), torch.randn(7).bfloat16(), torch.zeros(0),
+              torch.randn(1000) * 1e-3]
+    mine = value_digest(values)
+    reordered = [v.flip(0) if v.ndim else v for v in values]   # the same values summed in another order
+    changed = [v.clone() for v in values]
+    changed[4][500] += 1e-6
+    flipped = [v.clone() for v in values]
+    flipped[0][1] = True
+    everyone = [mine, value_digest(reordered), value_digest(changed), value_digest(flipped), mine[:-1]]
+    assert ranks_with_other_values(everyone, mine) == [2, 3, 4]
