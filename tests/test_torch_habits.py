@@ -132,7 +132,11 @@ def _penalised(forward, x: torch.Tensor) -> torch.Tensor:
     return out.pow(2).mean() + (grad_x.norm(dim=1) - 1).pow(2).mean()
 
 
-def _losses_apart_and_penalty(rank, world, stage):
+def _losses_apart_and_penalty(rank, world):
+    return {stage: _losses_apart_and_penalty_at(rank, world, stage) for stage in range(4)}
+
+
+def _losses_apart_and_penalty_at(rank, world, stage):
     """Two losses of one forward, each its own engine.backward (so grad_accum_steps=2 makes one step of
     them), then a gradient penalty; each against the same loop in plain torch."""
     batches = token_batches(3, 2 * world)
@@ -170,20 +174,24 @@ def _losses_apart_and_penalty(rank, world, stage):
     return apart, penalty
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_losses_backwarded_apart_and_a_gradient_penalty(stage):
+def test_losses_backwarded_apart_and_a_gradient_penalty():
     """engine.backward took no retain_graph (TypeError), so two losses of one forward could only be
     summed first. A gradient penalty (torch.autograd.grad with create_graph) is exact at stages 0-2;
     stage 3 frees the parameters such a gradient needs and says so on every rank."""
-    for apart, penalty in spawn(_losses_apart_and_penalty, 3, stage):
-        assert apart < 1e-5, apart
-        if stage == 3:
-            assert isinstance(penalty, str) and "torch.autograd.grad" in penalty, penalty
-        else:
-            assert penalty < 1e-5, penalty
+    for rank_out in spawn(_losses_apart_and_penalty, 3):
+        for stage, (apart, penalty) in rank_out.items():
+            assert apart < 1e-5, (stage, apart)
+            if stage == 3:
+                assert isinstance(penalty, str) and "torch.autograd.grad" in penalty, penalty
+            else:
+                assert penalty < 1e-5, (stage, penalty)
 
 
-def _compiled(rank, world, stage):
+def _compiled(rank, world):
+    return {stage: _compiled_at(rank, world, stage) for stage in range(4)}
+
+
+def _compiled_at(rank, world, stage):
     """torch.compile (aot_eager: dynamo and AOTAutograd, no C++ compiler) of the whole model, of a
     submodule, and nn.Module.compile() in place."""
     out = {}
@@ -215,14 +223,14 @@ def _compiled(rank, world, stage):
     return out
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_compiled_model_trains_exactly_or_stage_3_says_it_cannot(stage):
+def test_a_compiled_model_trains_exactly_or_stage_3_says_it_cannot():
     """Stages 0-2 keep their work in gradient hooks, which compiled graphs run: exact. Stage 3 failed inside dynamo, tracing its module
     hooks (an AssertionError or a RecursionError); it now refuses at initialize, naming the module."""
-    for out in spawn(_compiled, 2, stage):
-        for how, result in out.items():
-            if stage == 3:
-                assert isinstance(result, str) and "stage 3 cannot train a torch.compile'd model" in result, result
-                assert ("submodule 'a'" in result) == (how == "submodule"), result
-            else:
-                assert result < 1e-5, (how, result)
+    for rank_out in spawn(_compiled, 2):
+        for stage, out in rank_out.items():
+            for how, result in out.items():
+                if stage == 3:
+                    assert isinstance(result, str) and "stage 3 cannot train a torch.compile'd model" in result, result
+                    assert ("submodule 'a'" in result) == (how == "submodule"), result
+                else:
+                    assert result < 1e-5, (stage, how, result)
