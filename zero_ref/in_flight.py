@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -66,6 +67,7 @@ class Pending:
     def wait(self) -> None:
         # the label lets a profiler tell time spent waiting on communication, by kind, from compute
         # (experiments/throughput.py splits a step into phases with it)
+        started = time.monotonic()
         try:
             with label("zero_ref.wait", self.what.split()[0], *(() if self.seq is None else (f"#{self.seq}",))):
                 if self._watcher is not None:
@@ -81,10 +83,16 @@ class Pending:
         except RuntimeError as err:
             if self.on_failure is not None:
                 self.on_failure()
-            bound = f" within {self.timeout_s:g} s" if self.timeout_s is not None else ""
+            waited = time.monotonic() - started
+            if self.timeout_s is not None and waited < 0.9 * self.timeout_s:   # the backend gave up first
+                how = f" (the backend gave up after {waited:.1f} s of the {self.timeout_s:g} s allowed)"
+                likely = "another rank has probably exited, died, or raised"
+            else:
+                how = f" within {self.timeout_s:g} s" if self.timeout_s is not None else ""
+                likely = "another rank has probably died, raised, or diverged"
             raise CollectiveError(
-                f"rank {self.rank}: {self.what} did not complete{bound}: another rank has probably died, "
-                f"raised, or diverged ({str(err).splitlines()[0][:300]})") from err
+                f"rank {self.rank}: {self.what} did not complete{how}: {likely} "
+                f"({str(err).splitlines()[0][:300]})") from err
         if self.then is not None:
             then, self.then = self.then, None
             then()
