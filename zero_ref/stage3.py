@@ -274,6 +274,8 @@ class Stage3(Stage):
     # --- forward: one pair of hooks per unit root, and the model's --------------------------------
     @_internal
     def _enter(self, module: nn.Module, args) -> None:
+        acquired: list[int] = []
+        self.frames.append((module, acquired))   # first: _exit, always called, releases what was acquired
         if module is self.model and not self.in_backward:
             self.forward_schedule.begin()
             self.used_this_pass = set()
@@ -281,8 +283,8 @@ class Stage3(Stage):
         units = [g for g in (self.unit_of_root.get(id(module)),) if g is not None]
         units += sorted(self.external.get(id(module), ()))
         for g in units:
-            self._acquire(g)
-        self.frames.append((module, units))
+            self._acquire(g)   # a gather that fails raises here: the units before it are released by _exit
+            acquired.append(g)
 
     @_internal
     def _exit(self, module: nn.Module, args, output) -> None:
