@@ -289,6 +289,8 @@ class Stage3(Stage):
     @_internal
     def _exit(self, module: nn.Module, args, output) -> None:
         _, units = self.frames.pop()
+        if self.comm.failed:   # a gather of this forward failed: the engine cannot go on, so no more collectives
+            return
         for g in units:
             self._release(g)
         if torch.is_grad_enabled() and units:
