@@ -234,3 +234,38 @@ def test_a_compiled_model_trains_exactly_or_stage_3_says_it_cannot():
                     assert ("submodule 'a'" in result) == (how == "submodule"), result
                 else:
                     assert result < 1e-5, (stage, how, result)
+
+
+def _grad_norms(rank, world):
+    """Each stage's engine.grad_norm after every step, beside the total norm torch's
+    clip_grad_norm_ returns for the same step of a single-process loop (clipping at 0.5 in both)."""
+    out = {}
+    batches = token_batches(4, 2 * world)
+    for stage in range(4):
+        model, reference = WithUnused(), WithUnused()
+        optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+        engine = zero_ref.initialize(model, cfg(stage, grad_clip=0.5))
+        pairs = [(engine.grad_norm, None)]
+        for tokens in batches:
+            part = local(tokens, rank, world)
+            engine.backward(lm_loss(engine(part), part))
+            engine.step()
+            (sum(lm_loss(reference(p), p) for p in tokens.chunk(world)) / world).backward()
+            total = torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.grad is not None], 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+            pairs.append((engine.grad_norm, total.item()))
+        out[stage] = pairs, state_error(engine.full_state_dict(), reference.state_dict())
+        engine.close()
+    return out
+
+
+def test_the_engine_reports_the_gradient_norm_that_clip_grad_norm_would():
+    """Loops log the gradient norm that torch's clip_grad_norm_ returns; at stages 1-3 that function
+    sees no averaged gradient, so engine.grad_norm gives it, from the step's own statistics."""
+    for rank_out in spawn(_grad_norms, 3):
+        for stage, (pairs, error) in rank_out.items():
+            assert pairs[0] == (None, None), pairs[0]
+            for ours, torchs in pairs[1:]:
+                assert abs(ours - torchs) <= 1e-5 * torchs, (stage, ours, torchs)
+            assert error < 1e-5, (stage, error)

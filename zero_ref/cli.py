@@ -94,7 +94,7 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
         losses.append(step_loss.item())   # (a device sync, so the step time below is complete)
         step_seconds.append(time.perf_counter() - start)
-        bar.set_postfix(loss=f"{losses[-1]:.4f}", scale=engine.loss_scale)
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", grad_norm=f"{engine.grad_norm:.3g}", scale=engine.loss_scale)
     warmup = min(3, len(step_seconds) - 1)   # steps left out of the median (compilation, first allocations)
     timed = sorted(step_seconds[warmup:])
     return {"rank": rank, "psi": psi, "losses": losses, "memory": engine.memory_report(), "warmup": warmup,

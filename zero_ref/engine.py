@@ -166,8 +166,11 @@ class ZeroEngine:
 
     Attributes: `module` (the model), `config`, `optimizer` (the parameter groups as a torch
     Optimizer, for lr schedulers: param_groups.py), `global_step` (updates applied), `loss_scale`,
-    `skipped_steps` (non-finite gradients: fp16 overflows, or nonfinite="skip"). Usable as a
-    context manager that `close()`s it.
+    `skipped_steps` (non-finite gradients: fp16 overflows, or nonfinite="skip"), `grad_norm` (the
+    L2 norm of the whole averaged gradient the last step() used, before clipping and without the
+    fp16 loss scale, as torch's clip_grad_norm_ returns it; inf after a step skipped for a
+    non-finite gradient; None before the first; from the step's own statistics, so no extra
+    collective or host sync). Usable as a context manager that `close()`s it.
     """
 
     def __init__(self, model: nn.Module, config: ZeroConfig, process_group: dist.ProcessGroup | None,
@@ -218,6 +221,7 @@ class ZeroEngine:
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.micro_step = 0   # backwards since the last update (zero_grad keeps it modulo grad_accum_steps)
         self.global_step = 0
+        self.grad_norm: float | None = None   # the last step's global gradient norm (see the class docstring)
         self._skipped_steps = 0
         self._failed_at = 0   # the micro-batch of this step at which a forward or backward raised (0: none)
         self._boundary_unchecked = False   # a backward reached a step boundary and no step() followed yet
@@ -338,15 +342,16 @@ class ZeroEngine:
         param_writes.adopt_or_refuse(self, summed.written)
         sum_sq, nonfinite, used, grads = summed.sum_sq, summed.nonfinite, summed.used, summed.grads
         if nonfinite:
+            self.grad_norm = math.inf
             return self._skip_step()
         if not math.isfinite(sum_sq):        # finite gradients whose squares overflow fp32
             total = self.grad_stats.local(grads, fp64=True)
             self.grad_stats.sum(total)
             sum_sq = total.item()
+        self.grad_norm = math.sqrt(sum_sq) / self.scaler.scale
         grad_scale = 1.0 / self.scaler.scale
         if self.config.grad_clip is not None:
-            norm = math.sqrt(sum_sq) / self.scaler.scale
-            grad_scale *= min(1.0, self.config.grad_clip / (norm + 1e-6))
+            grad_scale *= min(1.0, self.config.grad_clip / (self.grad_norm + 1e-6))
         try:
             with label("zero_ref.optimizer"):
                 optimizer.step(grads, grad_scale, [u > 0 for u in used], self.optimizer.group_of, summed.hyper,
