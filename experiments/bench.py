@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"allowed regression of the time ratio beyond the noise (default {THRESHOLD})")
     parser.add_argument("--save-baseline", action="store_true", help="store this run as the new baseline")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "benchmarks",
-                        help="where the run (run.json), its REPORT.md and the saved baselines live (default: results/benchmarks/)")
+                        help="where the run (run.json), its REPORT.md and the saved baselines live "
+                             "(default: results/benchmarks/)")
     parser.add_argument("--peers", action="store_true",
                         help="run the peers side by side instead (options after `--` go to experiments.peers)")
     args, rest = parser.parse_known_args(argv)

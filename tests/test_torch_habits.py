@@ -224,8 +224,9 @@ def _compiled_at(rank, world, stage):
 
 
 def test_a_compiled_model_trains_exactly_or_stage_3_says_it_cannot():
-    """Stages 0-2 keep their work in gradient hooks, which compiled graphs run: exact. Stage 3 failed inside dynamo, tracing its module
-    hooks (an AssertionError or a RecursionError); it now refuses at initialize, naming the module."""
+    """Stages 0-2 keep their work in gradient hooks, which compiled graphs run: exact. Stage 3 failed
+    inside dynamo, tracing its module hooks (an AssertionError or a RecursionError); it now refuses
+    at initialize, naming the module."""
     for rank_out in spawn(_compiled, 2):
         for stage, out in rank_out.items():
             for how, result in out.items():

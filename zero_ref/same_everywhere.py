@@ -105,14 +105,14 @@ def _check_groups(everyone: list[dict]) -> None:
 def value_digest(values: list[torch.Tensor]) -> list[tuple[float, float, float]]:
     """Each tensor's fp64 (sum, sum of magnitudes, sum of squares): a few numbers per tensor that
     ranks exchange to learn whether they hold the same values."""
-    def row(v: torch.Tensor) -> torch.Tensor:
+    def sums(v: torch.Tensor) -> torch.Tensor:
         d = v.detach().double()   # any dtype, bool and integer buffers included
         return torch.stack([d.sum(), d.abs().sum(), d.square().sum()])
 
-    rows = [row(v) for v in values]
-    if len({row.device for row in rows}) == 1:   # one transfer (a GPU's parameters: one host sync)
-        return [tuple(row) for row in torch.stack(rows).tolist()]
-    return [tuple(row.tolist()) for row in rows]
+    rows = [sums(v) for v in values]
+    if len({r.device for r in rows}) == 1:   # one transfer (a GPU's parameters: one host sync)
+        return [tuple(r) for r in torch.stack(rows).tolist()]
+    return [tuple(r.tolist()) for r in rows]
 
 
 def ranks_with_other_values(everyone: list[list], mine: list) -> list[int]:

@@ -282,8 +282,10 @@ class Stage3(Stage):
             self.error_before_forward = sys.exc_info()[1]   # a forward may run inside an except clause
         units = [g for g in (self.unit_of_root.get(id(module)),) if g is not None]
         units += sorted(self.external.get(id(module), ()))
+        # If an acquire raises, _exit releases the units acquired before it; if a collective failed,
+        # the engine is done and _exit touches nothing.
         for g in units:
-            self._acquire(g)   # a gather that fails raises here: the units before it are released by _exit
+            self._acquire(g)
             acquired.append(g)
 
     @_internal
