@@ -311,8 +311,7 @@ class ZeroEngine:
         try:
             with label("zero_ref.backward"):
                 stage.begin_backward(boundary)
-                with stage.backward_context():
-                    (loss * (self.scaler.scale / self.config.grad_accum_steps)).backward(retain_graph=retain_graph)
+                stage.run_backward(loss * (self.scaler.scale / self.config.grad_accum_steps), retain_graph)
                 stage.end_backward(boundary)
             self._boundary_unchecked = boundary
         except BaseException as err:   # some gradients may be in, some reductions not: refuse to step

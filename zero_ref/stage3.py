@@ -29,20 +29,18 @@ that buffer (same Parameter objects and shapes), so autograd's saved references 
 values in backward. A parameter used outside the module that owns it (`F.linear(h,
 self.embed.weight)` in a parent's forward; DeepSpeed calls them external parameters) is noticed by
 a torch-function watcher during forward and backward, gathered on the spot, and from then on
-gathered with the unit root whose forward used it.
+gathered with the unit root whose forward used it. A view of a unit's buffer that autograd does not
+track (`param.detach()`) keeps the unit gathered for the rest of the forward and the next backward.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import sys
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from .comm import Comm
 from .config import ZeroConfig
@@ -54,6 +52,7 @@ from .labels import label
 from .partition import GroupLayout, bind_params_to, copy_params_into, make_group
 from .sharded_param import mark_sharded
 from .stage_base import Stage
+from .unit_reads import ExternalUseWatcher, output_tensors, run_autograd
 
 
 def build_units(model: nn.Module, trainable: list[nn.Parameter], unit_numel: int
@@ -183,6 +182,10 @@ class Stage3(Stage):
         self.external: dict[int, set[int]] = {}  # id(module) -> units it uses outside their roots
         self.used_this_pass: set[int] = set()
         self.reused: set[int] = set()            # units a forward uses twice: kept until it ends
+        self.unit_of_storage = {full.untyped_storage()._cdata: g for g, full in enumerate(self.full_params)}
+        self.aliased: set[int] = set()           # units a view made in this forward shares: kept until it ends
+        self.pinned: set[int] = set()            # ... and in a graph: gathered for the whole next backward
+        self.retaining = False                   # the backward running keeps its graph (retain_graph)
         self.error_before_forward = None         # the exception being handled when the forward began
         self.gather_stream = SideStream(self.device)
         self.shards_written = None               # CUDA event: this rank's shards are up to date
@@ -193,7 +196,7 @@ class Stage3(Stage):
                                           may_block=self.device.type == "cuda" or comm.backend == "fake")
         self.arrivals = GroupArrivals(self.groups, self.buckets.reduce_scatter)
         self.internal = 0                        # > 0 while the stage's own code runs (the watcher ignores it)
-        self.watcher = _ExternalUseWatcher(self)
+        self.watcher = ExternalUseWatcher(self)
         self.hooks = register_grad_hooks(trainable, self._after_grad, self._before_grad)
         for module in [model, *[root for root, _ in units if root is not model]]:
             self.hooks.append(module.register_forward_pre_hook(self._enter))
@@ -226,6 +229,9 @@ class Stage3(Stage):
                     scratch = torch.empty_like(self.full_params[g])
                     self.scratch.append((scratch, self.comm.all_gather(scratch, self.param_shards[g], async_op=True,
                                                                        channel="gather")))
+
+    def is_freed(self, g: int) -> bool:
+        return self.state[g] is UnitState.FREED
 
     def _wait(self, g: int) -> None:
         if self.state[g] is UnitState.GATHERING:
@@ -268,7 +274,7 @@ class Stage3(Stage):
         self.users[g] -= 1
         # In backward (activation-checkpoint recomputation) the unit stays for the backward that
         # follows: _after_grad frees it once its gradients are in.
-        if self.users[g] == 0 and not self.in_backward and g not in self.reused:
+        if self.users[g] == 0 and not self.in_backward and g not in self.reused and g not in self.aliased:
             self._free(g)
 
     # --- forward: one pair of hooks per unit root, and the model's --------------------------------
@@ -320,27 +326,43 @@ class Stage3(Stage):
         first = not self.forward_schedule.learned
         self.forward_schedule.finish(failed)
         self._free_unused()
+        self.aliased.clear()
         if first:   # reduce in the reverse of the (agreed) forward order, on every rank
             entries = self.forward_schedule.entries
             self.arrivals.set_order(entries[::-1] + [g for g in range(len(self.groups)) if g not in entries])
 
     def external_use(self, param: nn.Parameter) -> None:
-        """The watcher saw an operation fail on `param`, whose unit is freed: the parameter is used
-        outside its unit's root. Gather the unit now and, from now on, with the innermost running
-        unit root (the model's, at least), which also gathers it for its backward."""
+        """`param` is used outside its unit's root: in a forward, while no running unit root holds its
+        unit (which may be freed, in flight, or still gathered after an earlier use), or in backward
+        while its unit is freed. Gather the unit now and, from now on, with the innermost running unit
+        root (the model's, at least), which also gathers it again before its own backward."""
         g = self.unit_of_param[id(param)]
         if self.frames:
             module, units = self.frames[-1]
             self.external.setdefault(id(module), set()).add(g)
             self._acquire(g)
             units.append(g)   # released, and hooked for backward, with that root
-        elif self.in_backward:   # needed by backward itself, outside any recomputation
-            self.backward_schedule.acquire(g, held=False)
+        elif self.in_backward:   # needed by backward itself (a hook, a custom Function), outside any recomputation
+            self.backward_schedule.acquire(g, held=self.state[g] is not UnitState.FREED)
             self._wait(g)
         else:
             name = next(n for n, p in self.model.named_parameters() if p is param)
-            raise RuntimeError(f"stage 3: parameter {name} (unit {self.unit_names[g]}) was read outside the model's "
-                               "forward, where its unit is not gathered")
+            raise RuntimeError(
+                f"stage 3: parameter {name} (unit {self.unit_names[g]}) was read in the engine's forward but outside "
+                "the model's, where no unit is gathered: a forward hook on the model itself registered after "
+                "zero_ref.initialize runs after stage 3 has freed every unit, and a forward pre-hook on it registered "
+                "before initialize runs before the first gather. Register the model's forward hooks before "
+                "initialize and its pre-hooks after it, or hook a submodule")
+
+    def keep_for_alias(self, g: int) -> None:
+        """A tensor autograd does not track shares unit g's full buffer (`param.detach()`, `.data`, a
+        view taken under no_grad). Wherever it goes it reads that buffer: later in this forward, and in
+        backward if it enters the graph, where the unit's gradients arriving would free the buffer
+        first. So the unit stays gathered until this forward ends and, if grad is enabled, for the
+        whole next backward."""
+        self.aliased.add(g)
+        if torch.is_grad_enabled():
+            self.pinned.add(g)
 
     # --- backward ----------------------------------------------------------------------------------
     @_internal
@@ -349,6 +371,15 @@ class Stage3(Stage):
         self.check_in_backward(FOREIGN_BACKWARD)
         for g in units:
             self.backward_schedule.acquire(g, held=self.state[g] is not UnitState.FREED)
+            self._wait(g)
+
+    @_internal
+    def before_node(self, units: tuple[int, ...]) -> None:
+        """Runs before the backward node of a forward operation that read these units' parameters."""
+        for g in units:
+            if self.state[g] is UnitState.FREED:
+                self.check_in_backward(FOREIGN_BACKWARD)
+                self.backward_schedule.acquire(g, held=False)
             self._wait(g)
 
     @_internal
@@ -363,7 +394,7 @@ class Stage3(Stage):
         g, i = self.slot[id(param)]
         self.buckets.add(g, i, param)
         self.arrivals.arrive(g, i)
-        if self.arrivals.missing[g] == 0 and self.users[g] == 0:
+        if self.arrivals.missing[g] == 0 and self.users[g] == 0 and g not in self.pinned:
             self._free(g)   # every use of this unit in backward is done
         self.buckets.harvest()
 
@@ -371,6 +402,9 @@ class Stage3(Stage):
     def begin_backward(self, boundary: bool) -> None:
         self.arrivals.reset()
         self.backward_schedule.begin()
+        for g in sorted(self.pinned):   # an untracked view of the unit may be read anywhere in this backward
+            self.backward_schedule.acquire(g, held=self.state[g] is not UnitState.FREED)
+            self._wait(g)
 
     @_internal
     def end_backward(self, boundary: bool, failed: bool = False) -> None:
@@ -379,11 +413,18 @@ class Stage3(Stage):
         self.arrivals.flush()
         self.buckets.drain()
         self._free_unused()
+        if not self.retaining:
+            self.pinned.clear()
 
     def forward_context(self):
         return self.watcher
 
-    backward_context = forward_context
+    def run_backward(self, loss: torch.Tensor, retain_graph: bool) -> None:
+        """`loss.backward()` with the watcher on inside it (unit_reads.run_autograd): hooks and custom
+        Functions' backward that read a parameter of a freed unit gather it."""
+        self.retaining = retain_graph
+        with self.watcher:
+            run_autograd(loss, retain_graph)
 
     # --- step --------------------------------------------------------------------------------------
     def grad_segments(self) -> list[torch.Tensor]:
@@ -421,67 +462,6 @@ class Stage3(Stage):
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [self.flat_param_shard, *self.full_params], "grads": [self.flat_grad_shard],
                 "optimizer_states": self.optimizer.state_tensors(), "comm_buffers": self.buckets.buffers()}
-
-
-class _ExternalUseWatcher(TorchFunctionMode):
-    """Sees every torch function call of a forward or backward made outside the stage's own code.
-
-    An operation that reads a parameter of a freed unit fails (sharded_param.ShardedParameter raises
-    rather than read a storage with no data); the watcher then has the stage gather the unit
-    (`Stage3.external_use`) and runs the operation again. A
-    parameter of a unit whose gather is still in flight has data that is not complete yet, so while
-    any gather is in flight the watcher first waits for those among the arguments. Calls that only
-    look at a parameter's metadata (shape, `.grad`, hooks) neither fail nor wait for long.
-    """
-
-    def __init__(self, stage: Stage3):
-        super().__init__()
-        self.stage = stage
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        stage = self.stage
-        if stage.internal:
-            return func(*args, **kwargs)
-        if stage.pending:
-            for param in self._unit_params(args, kwargs):
-                stage._wait(stage.unit_of_param[id(param)])
-        try:
-            return func(*args, **kwargs)
-        except RuntimeError:
-            freed = [p for p in self._unit_params(args, kwargs)
-                     if stage.state[stage.unit_of_param[id(p)]] is UnitState.FREED]
-            if not freed:
-                raise
-        stage.internal += 1
-        try:
-            for param in freed:
-                stage.external_use(param)
-        finally:
-            stage.internal -= 1
-        return func(*args, **kwargs)
-
-    def _unit_params(self, args, kwargs):
-        """The stage-3 parameters among the arguments (and inside list or tuple arguments)."""
-        for arg in (*args, *kwargs.values()):
-            for item in (arg if isinstance(arg, (list, tuple)) else (arg,)):
-                if isinstance(item, nn.Parameter) and id(item) in self.stage.unit_of_param:
-                    yield item
-
-
-def output_tensors(output) -> list[torch.Tensor]:
-    """The tensors in a unit root's output, through lists, tuples and dicts (torch's pytree, which
-    also knows Hugging Face's ModelOutput) and dataclasses: each gets the hook that gathers the unit
-    before its backward. A tensor hidden anywhere else is missed, and the backward through it would
-    find the unit freed."""
-    found, pending = [], [output]
-    while pending:
-        for leaf in tree_flatten(pending.pop())[0]:
-            if isinstance(leaf, torch.Tensor):
-                found.append(leaf)
-            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-                pending.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))
-    return found
 
 
 def _module_name(model: nn.Module, module: nn.Module) -> str:

@@ -7,7 +7,7 @@ engine drives a step through this interface:
 
     forward_context()               entered around the model's forward (stage 3: its watcher;
                                     stage 3 gathers through hooks on the model's modules)
-    begin_backward / end_backward   around loss.backward() (inside backward_context()); on return
+    begin_backward / end_backward   around run_backward(loss), the autograd pass; on return
                                     every reduction the stage owes for this micro-batch has completed
                                     (also after a backward that raised: step_failures.py)
     grad_segments                   this rank's gradient segments, aligned with the masters
@@ -84,9 +84,9 @@ class Stage:
         """A context manager entered around the model's forward."""
         return contextlib.nullcontext()
 
-    def backward_context(self):
-        """A context manager entered around loss.backward()."""
-        return contextlib.nullcontext()
+    def run_backward(self, loss: torch.Tensor, retain_graph: bool) -> None:
+        """`loss.backward(retain_graph=retain_graph)` (stage 3 watches it)."""
+        loss.backward(retain_graph=retain_graph)
 
     def idle_forward(self) -> None:
         """Issue the collectives of a forward without running one: what a rank whose backward raised

@@ -1,0 +1,134 @@
+"""Stage 3: parameters read outside the window in which their unit is gathered.
+
+stage3.py gathers a unit around its root's forward and again before its root's backward (a hook on
+the root's outputs), and frees it once its gradients are in. Real models read parameters elsewhere:
+a parent's `F.linear(h, self.embed.weight)`, a `param.detach()`, an output kept in an attribute, a
+tensor hook that runs in backward. This module sees those reads: a TorchFunctionMode over every
+torch call of the forward and the backward (`ExternalUseWatcher`), the backward entered so that the
+mode stays on inside it (`run_autograd`), and the tensors of a root's output that get the backward
+hook (`output_tensors`). What to do about a read is the stage's (Stage3.external_use,
+Stage3.keep_for_alias, Stage3.before_node).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+
+class ExternalUseWatcher(TorchFunctionMode):
+    """Sees every torch function call of a forward or backward made outside the stage's own code.
+
+    In a forward, an operation on a parameter whose unit no running unit root holds is a use
+    outside that root (`F.linear(h, self.embed.weight)`): whether the unit is freed, in flight (a
+    prefetch) or still gathered after an earlier use, the stage gathers it with the innermost running
+    root (`Stage3.external_use`) before the operation runs, so that root's backward gathers it too.
+    A result that shares a unit's buffer without autograd tracking it (`param.detach()`) keeps the
+    unit gathered (`Stage3.keep_for_alias`). Each backward node such an operation makes gathers the
+    units it reads if they are freed when it runs (`Stage3.before_node`). In backward (hooks, custom
+    Functions), an operation on a parameter of a freed unit fails (sharded_param.ShardedParameter
+    raises rather than read a storage with no data); the stage gathers the unit and the operation
+    runs again. While any gather is in flight, the watcher first
+    waits for those among the arguments. Calls that only look at a parameter's metadata (shape,
+    `.grad`, hooks) neither fail nor wait for long.
+    """
+
+    def __init__(self, stage):
+        super().__init__()
+        self.stage = stage
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        stage = self.stage
+        if stage.internal:
+            return func(*args, **kwargs)
+        in_forward = bool(stage.frames) and not stage.in_backward
+        if in_forward or stage.pending:
+            params = list(self._unit_params(args, kwargs))
+            if in_forward:   # a unit that no running root holds: its use is outside that root
+                self._use_outside([p for p in params if stage.users[stage.unit_of_param[id(p)]] == 0])
+            for param in params:
+                stage._wait(stage.unit_of_param[id(param)])
+        try:
+            result = func(*args, **kwargs)
+        except RuntimeError:
+            freed = [p for p in self._unit_params(args, kwargs)
+                     if stage.is_freed(stage.unit_of_param[id(p)])]
+            if not freed:
+                raise
+            self._use_outside(freed)
+            result = func(*args, **kwargs)
+        if in_forward:
+            self._keep_aliased(result)
+            if params and torch.is_grad_enabled():
+                self._hook_nodes(result, params)
+        return result
+
+    def _hook_nodes(self, result, params: list[nn.Parameter]) -> None:
+        """Each backward node this operation made reads the parameters it was given: it gathers their
+        units first if they are freed then (its root's output hook may never run, for an output kept
+        in an attribute rather than returned)."""
+        units = tuple({self.stage.unit_of_param[id(p)] for p in params})
+        nodes = {t.grad_fn for t in (result if isinstance(result, (list, tuple)) else (result,))
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        for node in nodes:
+            node.register_prehook(lambda grads, gs=units: self.stage.before_node(gs))
+
+    def _use_outside(self, params: list[nn.Parameter]) -> None:
+        """Stage3.external_use, once per unit."""
+        stage, units = self.stage, set()
+        stage.internal += 1
+        try:
+            for param in params:
+                if stage.unit_of_param[id(param)] not in units:
+                    units.add(stage.unit_of_param[id(param)])
+                    stage.external_use(param)
+        finally:
+            stage.internal -= 1
+
+    def _keep_aliased(self, result) -> None:
+        """Tell the stage about each tensor in `result` that shares a unit's full buffer while autograd
+        does not track it (Stage3.keep_for_alias)."""
+        for tensor in (result if isinstance(result, (list, tuple)) else (result,)):
+            if isinstance(tensor, torch.Tensor) and not tensor.requires_grad and tensor.layout is torch.strided:
+                try:
+                    g = self.stage.unit_of_storage.get(tensor.untyped_storage()._cdata)
+                except (RuntimeError, NotImplementedError):   # a tensor subclass without storage
+                    continue
+                if g is not None:
+                    self.stage.keep_for_alias(g)
+
+    def _unit_params(self, args, kwargs):
+        """The stage-3 parameters among the arguments (and inside list or tuple arguments)."""
+        for arg in (*args, *kwargs.values()):
+            for item in (arg if isinstance(arg, (list, tuple)) else (arg,)):
+                if isinstance(item, nn.Parameter) and id(item) in self.stage.unit_of_param:
+                    yield item
+
+
+def run_autograd(loss: torch.Tensor, retain_graph: bool) -> None:
+    """What `loss.backward(retain_graph=...)` runs, without passing through torch-function dispatch:
+    a TorchFunctionMode is off while it handles a call, and Tensor.backward is one, so the watcher
+    entered around `loss.backward()` would be off in every hook of the backward."""
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None) or \
+        torch.autograd.Variable._execution_engine.run_backward
+    run((loss,), (torch.ones_like(loss),), retain_graph, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
+def output_tensors(output) -> list[torch.Tensor]:
+    """The tensors in a unit root's output, through lists, tuples and dicts (torch's pytree, which
+    also knows Hugging Face's ModelOutput) and dataclasses: each gets the hook that gathers the unit
+    before its backward. A tensor hidden anywhere else misses it; the backward nodes of the operations
+    that read the unit's parameters then gather the unit themselves (`_ExternalUseWatcher._hook_nodes`)."""
+    found, pending = [], [output]
+    while pending:
+        for leaf in tree_flatten(pending.pop())[0]:
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+                pending.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))
+    return found
