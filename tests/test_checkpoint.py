@@ -280,3 +280,125 @@ def test_a_load_forgets_a_forward_that_raised_before_it(tmp_path):
     on every rank)."""
     for rank, updated in enumerate(spawn(_load_after_a_failed_forward, 2, str(tmp_path), timeout=240)):
         assert updated == [True] * 4, (rank, updated)
+
+
+# --- lr scheduler states and the loss scale across a save and a load ----------------------------
+SCHEDULED_STEPS, SCHEDULER_SAVED_AT = 6, 3
+PLATEAU_METRICS = [3.0, 2.0, 2.0, 2.0, 2.0, 2.0]   # patience 0: from the third step on, every step halves the lr
+
+
+def _scheduler(kind: str, optimizer):
+    """Schedulers whose state plain JSON does not keep: MultiStepLR's milestones are a Counter with int keys (alone
+    and inside SequentialLR, whose milestone here falls after the save), ReduceLROnPlateau holds inf."""
+    from torch.optim import lr_scheduler
+
+    if kind == "sequential":
+        return lr_scheduler.SequentialLR(optimizer, [lr_scheduler.LinearLR(optimizer, 0.5, total_iters=2),
+                                                     lr_scheduler.MultiStepLR(optimizer, milestones=[3], gamma=0.5)],
+                                         milestones=[2])
+    if kind == "multistep":
+        return lr_scheduler.MultiStepLR(optimizer, milestones=[1, 5], gamma=0.5)
+    return lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+
+
+def _resume_with_a_scheduler(rank, world_size, folder):
+    """For each kind of `_scheduler`: train SCHEDULED_STEPS steps with it, saving it with the engine after
+    SCHEDULER_SAVED_AT; then a new engine and scheduler load that checkpoint and train the same remaining steps.
+    Returns {kind: (the lr after each step of both runs, both runs' final parameters, the scheduler's state as
+    saved and as loaded)}."""
+    import zero_ref
+    from scenarios import Layered, cfg, token_batches, train
+
+    batches = token_batches(SCHEDULED_STEPS, 6)
+
+    def run(engine, scheduler, steps):
+        lrs = []
+        for n in steps:
+            train(engine, batches[n:n + 1], rank, world_size)
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                scheduler.step(PLATEAU_METRICS[n])
+            else:
+                scheduler.step()
+            lrs.append(engine.optimizer.param_groups[0]["lr"])
+        return lrs
+
+    results = {}
+    for kind in ("sequential", "multistep", "plateau"):
+        with zero_ref.initialize(Layered(layers=2), cfg(2)) as engine:
+            scheduler = _scheduler(kind, engine.optimizer)
+            straight_lrs = run(engine, scheduler, range(SCHEDULER_SAVED_AT))
+            engine.save_checkpoint(f"{folder}/{kind}", lr_scheduler=scheduler)
+            saved = scheduler.state_dict()
+            straight_lrs += run(engine, scheduler, range(SCHEDULER_SAVED_AT, SCHEDULED_STEPS))
+            straight = engine.full_state_dict()
+        with zero_ref.initialize(Layered(layers=2, seed=1), cfg(2)) as engine:
+            scheduler = _scheduler(kind, engine.optimizer)
+            engine.load_checkpoint(f"{folder}/{kind}", lr_scheduler=scheduler)
+            loaded = scheduler.state_dict()
+            resumed_lrs = run(engine, scheduler, range(SCHEDULER_SAVED_AT, SCHEDULED_STEPS))
+            results[kind] = (straight_lrs, resumed_lrs, straight, engine.full_state_dict(), saved, loaded)
+    return results
+
+
+def test_a_resumed_lr_scheduler_goes_on_as_if_never_stopped(tmp_path):
+    """The scheduler's state used to go through plain JSON: MultiStepLR's milestones (a Counter) came back with
+    string keys, so inside SequentialLR the decay after the resume never fired (lr 0.01 for 0.005), alone the
+    load was refused; ReduceLROnPlateau's inf could not be saved at all. Now it comes back exactly."""
+    for results in spawn(_resume_with_a_scheduler, 2, str(tmp_path), timeout=120):
+        for kind, (straight_lrs, resumed_lrs, straight, resumed, saved, loaded) in results.items():
+            assert resumed_lrs == straight_lrs[SCHEDULER_SAVED_AT:], (kind, straight_lrs, resumed_lrs)
+            assert len(set(straight_lrs[SCHEDULER_SAVED_AT:])) > 1, kind   # the lr changes after the save
+            assert _equal(resumed, straight), kind
+            assert repr(loaded) == repr(saved), kind   # the same values of the same types (a Counter, inf)
+
+
+def test_scheduler_state_encoding_round_trips_exact_types():
+    """Counters, dicts with int keys, tuples and non-finite floats come back as they were, nested too; a value no
+    checkpoint can hold is refused naming where it is."""
+    import json
+    import math
+    from collections import Counter
+
+    from zero_ref.manifest import CheckpointError, from_json, to_json
+
+    state = {"milestones": Counter({30: 1, 80: 2}), "by_step": {0: 1.5, 2: (1, 2.0)}, "betas": (0.9, 0.99),
+             "best": float("inf"), "worst": -float("inf"), "nan": float("nan"), "plain": [1, "a", None, True, 0.1],
+             "_schedulers": [{"milestones": Counter({2: 1}), "__zero_ref_type__": "float"}, {}]}
+    back = from_json(json.loads(json.dumps(to_json(state, "state_dict()"), allow_nan=False)))
+    assert math.isnan(back.pop("nan")) and math.isnan(state.pop("nan"))
+    assert back == state and repr(back) == repr(state)   # repr: the types too (Counter, tuple, int keys)
+    with pytest.raises(CheckpointError, match=r"state_dict\(\)\['_schedulers'\]\[1\]\['fn'\]"):
+        to_json({"_schedulers": [{}, {"fn": len}]}, "state_dict()")
+
+
+def _loss_scale_across_dtypes(rank, world_size, folder):
+    """Save an fp32 and an fp16 checkpoint (the fp16 run's loss scale grown from 1024 to 4096), load each into new
+    fp32, bf16 and fp16 engines, and train one step more. Returns {(saved dtype, loaded dtype): (the loss scale
+    after the load, after the step)}."""
+    import zero_ref
+    from scenarios import Layered, cfg, token_batches, train
+
+    batches = token_batches(3, 6)
+    options = {"fp32": {}, "bf16": {}, "fp16": dict(initial_loss_scale=1024.0, loss_scale_growth_interval=1)}
+    for dtype in ("fp32", "fp16"):
+        with zero_ref.initialize(Layered(layers=2), cfg(1, dtype=dtype, **options[dtype])) as engine:
+            train(engine, batches[:2], rank, world_size)
+            engine.save_checkpoint(f"{folder}/{dtype}")
+    scales = {}
+    for saved in ("fp32", "fp16"):
+        for dtype in ("fp32", "bf16", "fp16"):
+            with zero_ref.initialize(Layered(layers=2), cfg(1, dtype=dtype, **options[dtype])) as engine:
+                engine.load_checkpoint(f"{folder}/{saved}")
+                after_load = engine.loss_scale
+                train(engine, batches[2:], rank, world_size)
+                scales[(saved, dtype)] = (after_load, engine.loss_scale)
+    return scales
+
+
+def test_the_loss_scale_is_restored_only_from_fp16_into_fp16(tmp_path):
+    """The saved loss scale used to be restored whatever the dtypes: an fp32 checkpoint left an fp16 engine at scale
+    1.0 (small gradients underflow), an fp16 one made an fp32 engine multiply its loss by 4096."""
+    unscaled = {(saved, dtype): (1.0, 1.0) for saved in ("fp32", "fp16") for dtype in ("fp32", "bf16")}
+    for scales in spawn(_loss_scale_across_dtypes, 2, str(tmp_path), timeout=120):
+        # fp32 into fp16: the configured initial scale, growing as usual; fp16 into fp16: the saved scale
+        assert scales == {**unscaled, ("fp32", "fp16"): (1024.0, 2048.0), ("fp16", "fp16"): (4096.0, 8192.0)}

@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 from .manifest import (STATE_KINDS, CheckpointError, build_manifest, canonical_names, check_groups_match,
                        check_matches_model, restore_groups, training_state,
                        persistent_buffers, piece_index, read_manifest, seal)
+from .precision import LossScaler
 from .refusals import gather_refusals, refuse_together
 from .state_dict import write_model_state
 
@@ -243,10 +244,20 @@ def _apply(engine, read: dict) -> None:
     optimizer.param_steps = list(manifest["param_steps"])
     engine.global_step = manifest["global_step"]
     engine._skipped_steps = manifest["skipped_steps"]
-    engine.scaler.load_state_dict(manifest["scaler"])
+    engine.scaler.load_state_dict(_scaler_state(engine, manifest))
     engine.micro_step = 0
     engine._failed_at = 0   # a forward that raised before the load belongs to the step the load replaced
     stage.polluted = None
+
+
+def _scaler_state(engine, manifest: dict) -> dict:
+    """The loss scaler state a load leaves in `engine`: the checkpoint's when both it and the engine
+    are fp16 (the scale the run learned for these gradients), else a fresh scaler's. An fp32 or bf16
+    checkpoint's scale is 1.0, which would let an fp16 engine's small gradients underflow; and an
+    engine that is not fp16 scales nothing, whatever the checkpoint's dtype."""
+    if engine.scaler.enabled and manifest["dtype"] == "fp16":
+        return manifest["scaler"]
+    return LossScaler(engine.scaler.enabled, scale=engine.config.initial_loss_scale).state_dict()
 
 
 def resolve(path: str | os.PathLike) -> Path:

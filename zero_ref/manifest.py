@@ -2,9 +2,9 @@
 
 The manifest records the format, world size, stage and dtype, every trainable parameter (its
 name, aliases, shape), its AdamW step count, the parameter groups (names and hyper-parameters, as a
-learning-rate schedule left them) and, when given, the lr scheduler's state, the bucket order
-stages 0-2 learned, the frozen
-parameters and buffers, which rank's file holds which piece of which parameter, and each file's
+learning-rate schedule left them) and, when given, the lr scheduler's state (in a JSON form that
+keeps its Python types: `to_json`), the bucket order stages 0-2 learned, the frozen parameters and
+buffers, which rank's file holds which piece of which parameter, and each file's
 size and sha256. It is sealed with its own sha256, so any edit is caught; `validate_manifest` then
 checks every field (a resealed edit must still describe a consistent checkpoint), and
 `check_matches_model` that it describes the model being loaded into.
@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import re
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ class CheckpointError(RuntimeError):
 # --- writing --------------------------------------------------------------------------------------
 def training_state(engine, names: dict[int, str], lr_scheduler=None) -> dict:
     """The parameter groups (each group's parameter names and hyper-parameters) and the lr scheduler's
-    state, as JSON values; CheckpointError when a value cannot be written as JSON."""
+    state (through `to_json`), as JSON values; CheckpointError when a value cannot be written as JSON."""
     def plain(value):
         if isinstance(value, torch.Tensor):
             return value.tolist()
@@ -46,13 +47,84 @@ def training_state(engine, names: dict[int, str], lr_scheduler=None) -> dict:
     groups = [{"params": [names[id(p)] for p in group["params"]],
                "hyper": {k: plain(v) for k, v in group.items() if k != "params"}}
               for group in engine.optimizer.param_groups]
-    state = {"param_groups": groups,
-             "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict()}
     try:
-        json.dumps(state, allow_nan=False)
+        json.dumps(groups, allow_nan=False)
     except (TypeError, ValueError) as err:
-        raise CheckpointError(f"the parameter groups or the lr scheduler's state cannot be saved as JSON: {err}") from err
-    return state
+        raise CheckpointError(f"the parameter groups cannot be saved as JSON: {err}") from err
+    return {"param_groups": groups,
+            "lr_scheduler": None if lr_scheduler is None else to_json(lr_scheduler.state_dict(), "state_dict()")}
+
+
+# --- lr scheduler states as JSON --------------------------------------------------------------------
+_TAG = "__zero_ref_type__"
+_MAPPINGS = {"dict": dict, "Counter": Counter}
+
+
+def to_json(value, where: str):
+    """`value` (an lr scheduler's state, or a part of it at the key path `where`) as JSON values that
+    `from_json` turns back into equal values of the same types. Plain JSON would not: MultiStepLR's
+    milestones are a Counter with int keys (JSON keeps string keys), ReduceLROnPlateau holds inf (not
+    JSON); so Counters, dicts with other keys than strings, tuples and non-finite floats are written
+    as tagged objects {_TAG: kind, "value": ...}. CheckpointError names the key path of a value that
+    is none of these, nor None, a bool, an int, a string or a list."""
+    if value is None or type(value) in (bool, int, str):
+        return value
+    if type(value) is float:
+        return value if math.isfinite(value) else {_TAG: "float", "value": repr(value)}
+    if type(value) in (list, tuple):
+        items = [to_json(item, f"{where}[{i}]") for i, item in enumerate(value)]
+        return items if type(value) is list else {_TAG: "tuple", "value": items}
+    if _is_state(value) and _TAG not in value:
+        return {key: to_json(item, f"{where}[{key!r}]") for key, item in value.items()}
+    if type(value) in _MAPPINGS.values():
+        return {_TAG: type(value).__name__, "value": [
+            [to_json(key, f"{where} key {key!r}"), to_json(item, f"{where}[{key!r}]")] for key, item in value.items()]}
+    raise CheckpointError(f"the lr scheduler's {where} = {value!r:.80} cannot be saved: a checkpoint holds None, "
+                          "bools, ints, floats, strings, and lists, tuples, dicts and Counters of these (keep other "
+                          "values, such as tensors or numpy numbers, out of the scheduler's state_dict)")
+
+
+def _is_state(value) -> bool:
+    """Whether `value` is a dict with string keys (as a scheduler's state is), so JSON keeps it as it is."""
+    return type(value) is dict and all(isinstance(key, str) for key in value)
+
+
+def from_json(value):
+    """The value that `to_json` wrote as `value`; ValueError or TypeError when it holds a tagged object
+    that `to_json` does not write."""
+    if isinstance(value, list):
+        return [from_json(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    if _TAG not in value:
+        return {key: from_json(item) for key, item in value.items()}
+    kind, body = value[_TAG], value.get("value")
+    if kind == "float" and body in ("inf", "-inf", "nan"):
+        return float(body)
+    if kind == "tuple" and isinstance(body, list):
+        return tuple(from_json(body))
+    if kind in _MAPPINGS and isinstance(body, list) and all(isinstance(pair, list) and len(pair) == 2 for pair in body):
+        return _MAPPINGS[kind]({from_json(key): from_json(item) for key, item in body})
+    raise ValueError(f"{value!r:.80} is not a value that to_json writes")
+
+
+def _shape_differences(ours, theirs, where: str) -> list[str]:
+    """The key paths where the state `theirs` differs in shape from `ours`: an entry only one holds, or
+    a value of another type. Dicts with string keys (a state, and the child states of SequentialLR and
+    ChainedScheduler) are compared entry by entry, lists of them item by item; other values, such as
+    MultiStepLR's milestones, by type only (their contents are what a load restores)."""
+    if type(ours) is not type(theirs):
+        return [where]
+    if _is_state(ours) and _is_state(theirs):
+        return [f"{where}[{key!r}]" for key in sorted(set(ours) ^ set(theirs))] + [
+            difference for key in ours if key in theirs
+            for difference in _shape_differences(ours[key], theirs[key], f"{where}[{key!r}]")]
+    if type(ours) is list and any(_is_state(item) for item in ours + theirs):
+        if len(ours) != len(theirs):
+            return [where]
+        return [difference for i, (mine, saved) in enumerate(zip(ours, theirs))
+                for difference in _shape_differences(mine, saved, f"{where}[{i}]")]
+    return []
 
 
 def build_manifest(engine, names: dict[int, str], files: list[dict], order: list[int] | None,
@@ -154,7 +226,7 @@ def validate_manifest(m: dict) -> None:
         isinstance(g, dict) for g in groups) else None
     need(groups is None or (listed is not None and sorted(listed) == sorted(numels) and all(
         isinstance(g.get("hyper"), dict) and _valid_hyper(g["hyper"]) for g in groups)), "param_groups")
-    need(isinstance(m.get("lr_scheduler"), (dict, type(None))), "lr_scheduler")
+    need(m.get("lr_scheduler") is None or _decodes_to_dict(m["lr_scheduler"]), "lr_scheduler")
     files = m.get("files")
     need(isinstance(files, list) and len(files) == m["world_size"], "files")
     covered = {name: [] for name in numels}
@@ -207,6 +279,14 @@ def _valid_hyper(hyper: dict) -> bool:
     return True
 
 
+def _decodes_to_dict(saved) -> bool:
+    """Whether a saved lr scheduler state is one that `to_json` wrote for a state dict."""
+    try:
+        return isinstance(from_json(saved), dict)
+    except (ValueError, TypeError):
+        return False
+
+
 def check_groups_match(manifest: dict, engine, names: dict[int, str], lr_scheduler) -> None:
     """Raise CheckpointError when the checkpoint's parameter groups are not the engine's (the same
     parameters in the same groups), or a scheduler is to be restored from a checkpoint without one."""
@@ -222,11 +302,11 @@ def check_groups_match(manifest: dict, engine, names: dict[int, str], lr_schedul
         raise CheckpointError("an lr scheduler was passed to load_checkpoint, but this checkpoint holds none "
                               "(pass it to save_checkpoint too)")
     if lr_scheduler is not None:   # the same kind of scheduler: the same entries, each of the same type
-        ours, theirs = lr_scheduler.state_dict(), manifest["lr_scheduler"]
-        differ = sorted(set(ours) ^ set(theirs)) or [k for k in ours if type(ours[k]) is not type(theirs[k])]
+        differ = _shape_differences(lr_scheduler.state_dict(), from_json(manifest["lr_scheduler"]), "state_dict()")
         if differ:
             raise CheckpointError(f"the checkpoint's lr scheduler state does not fit {type(lr_scheduler).__name__}: "
-                                  f"entries {differ[:5]} are missing, extra or of another type")
+                                  f"entries {differ[:5]} are missing, extra or of another type (pass a scheduler "
+                                  "of the kind that was saved)")
 
 
 def restore_groups(manifest: dict, engine, lr_scheduler) -> None:
@@ -234,7 +314,7 @@ def restore_groups(manifest: dict, engine, lr_scheduler) -> None:
     for group, record in zip(engine.optimizer.param_groups, manifest.get("param_groups") or ()):
         group.update({k: tuple(v) if k == "betas" else v for k, v in record["hyper"].items()})
     if lr_scheduler is not None:
-        lr_scheduler.load_state_dict(manifest["lr_scheduler"])
+        lr_scheduler.load_state_dict(from_json(manifest["lr_scheduler"]))
 
 
 # --- names -----------------------------------------------------------------------------------------
