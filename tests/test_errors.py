@@ -1,5 +1,7 @@
 """Bad input fails early with a message that names what is wrong."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +22,30 @@ BAD_FIELDS = [
 
 @pytest.mark.parametrize("field,value", BAD_FIELDS)
 def test_invalid_config_field_names_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"ZeroConfig\.{field} = .* expected"):
+        zero_ref.ZeroConfig(**{field: value})
+
+
+WRONG_TYPES = [["fp32"], {}, {"stage": 1}, {0.9}, torch.tensor([0.0, 1.0])]
+"""Values of no field's type: they used to crash a dict lookup (unhashable) or an `in` on a tuple
+(a tensor's == is elementwise) instead of naming the field."""
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(zero_ref.ZeroConfig)])
+def test_a_value_of_the_wrong_type_names_the_field(field):
+    for value in WRONG_TYPES:
+        with pytest.raises(ValueError, match=rf"ZeroConfig\.{field} = .* expected"):
+            zero_ref.ZeroConfig(**{field: value})
+
+
+BEYOND_FLOATS = [(field, value) for field in ("lr", "eps", "weight_decay", "grad_clip", "comm_timeout_s",
+                                             "initial_loss_scale", "min_loss_scale")
+                 for value in (10**400, -10**400)] + [("betas", (0.9, 10**400))]
+"""Ints no float holds: they used to raise OverflowError from math.isfinite."""
+
+
+@pytest.mark.parametrize("field,value", BEYOND_FLOATS)
+def test_an_int_beyond_the_floats_range_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"ZeroConfig\.{field} = .* expected"):
         zero_ref.ZeroConfig(**{field: value})
 

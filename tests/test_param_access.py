@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 import torch
@@ -334,3 +335,53 @@ def test_the_value_digest_takes_any_dtype_and_tells_other_values_apart():
     flipped[0][1] = True
     everyone = [mine, value_digest(reordered), value_digest(changed), value_digest(flipped), mine[:-1]]
     assert ranks_with_other_values(everyone, mine) == [2, 3, 4]
+
+
+def test_the_value_digest_holds_nan_and_inf_the_same_on_every_rank():
+    """NaN equals nothing, not even itself: the same NaN or inf on every rank is still the same
+    value (it used to read as ranks disagreeing), while a NaN or inf in another place or a finite
+    element beside one that differs is another value."""
+    from zero_ref.same_everywhere import ranks_with_other_values, value_digest
+
+    nan, inf = float("nan"), float("inf")
+    values = [torch.tensor([nan, 1.0, inf]), torch.tensor([-inf, 2.0]).bfloat16()]
+    mine = value_digest(values)
+    beside_nan = [torch.tensor([nan, 1.5, inf]), values[1]]
+    no_nan = [torch.tensor([0.0, 1.0, inf]), values[1]]
+    other_sign = [values[0], torch.tensor([inf, 2.0]).bfloat16()]
+    everyone = [mine, value_digest([v.clone() for v in values]), value_digest(beside_nan), value_digest(no_nan),
+                value_digest(other_sign)]
+    assert ranks_with_other_values(everyone, mine) == [2, 3, 4]
+
+
+def _same_nan(rank: int, world: int) -> dict:
+    import zero_ref
+
+    out = {}
+    with zero_ref.initialize(Penalised(), cfg(1, nonfinite="skip")) as engine:
+        given = engine.full_state_dict()
+        given["head.bias"][0] = float("nan")   # the same on every rank
+        engine.load_state_dict(given)
+        out["loaded"] = engine.full_state_dict()["head.bias"][0].item()
+        try:
+            finite_on_rank_1 = given["head.bias"].nan_to_num() if rank else given["head.bias"]
+            engine.load_state_dict({**given, "head.bias": finite_on_rank_1})
+        except ValueError as err:
+            out["one rank"] = str(err)
+    with zero_ref.initialize(Penalised(), cfg(1, nonfinite="skip")) as engine:
+        with torch.no_grad():
+            engine.module.body[0].weight[1, 2] = float("inf")   # in place, the same on every rank
+        part = local(token_batches(1, BATCH)[0], rank, world)
+        engine.backward(_loss(engine(part), part))
+        out["stepped"] = engine.step()   # adopted: no longer "other values"; its gradients skip the step
+        out["adopted"] = engine.full_state_dict()["body.0.weight"][1, 2].item()
+    return out
+
+
+def test_the_same_nan_on_every_rank_is_loaded_and_adopted():
+    """A NaN (or inf) that every rank writes alike is what the user asked for: load_state_dict
+    loads it, as torch's would, and an in-place write of it is adopted; a NaN on one rank only is
+    still refused on every rank."""
+    for rank, out in enumerate(spawn(_same_nan, 2, timeout=300)):
+        assert math.isnan(out["loaded"]) and out["adopted"] == math.inf and out["stepped"] is False, out
+        assert f"other values on rank(s) {1 - rank} than on rank {rank}" in out["one rank"], out

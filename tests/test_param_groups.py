@@ -10,7 +10,7 @@ from torch import nn
 
 import zero_ref
 from awkward import AwkwardNet, global_batches
-from schedules import SAVE_AT, STEPS, disagreement_run, engine_run, groups_of, reference
+from schedules import LR, SAVE_AT, STEPS, disagreement_run, engine_run, groups_of, reference
 from zero_ref.launch import spawn
 from zero_ref.manifest import CheckpointError
 
@@ -139,3 +139,91 @@ def test_a_failure_at_any_micro_batch_reads_as_a_failure():
     for failed_at in range(1, 100):
         assert 1 <= agreement_stats(None, failed_at)[slot] <= 15, failed_at
     assert agreement_stats(None, 0)[slot] == 0
+
+
+def _edited_by_hand(rank, world_size, batches):
+    """Edits of engine.optimizer.param_groups that the update would ignore, each made before one
+    step (every rank alike but the last) and undone after; then options at torch's defaults and the
+    keys torch's schedulers add, which the step takes."""
+    from awkward import loss_fn
+
+    model = AwkwardNet()
+    engine = zero_ref.initialize(model, zero_ref.ZeroConfig(stage=1, lr=LR, kernels="torch", bucket_numel=50),
+                                 param_groups=groups_of(model))
+    groups = engine.optimizer.param_groups
+
+    def step(tokens) -> bool:
+        part = tokens.chunk(world_size)[rank]
+        engine.backward(loss_fn(engine(part), part))
+        return engine.step()
+
+    def refusal(edit) -> str:
+        originals, saved = list(groups), [dict(g, params=list(g["params"])) for g in groups]
+        edit(groups)
+        try:
+            return f"not refused: step() returned {step(batches[0][0])}"
+        except ValueError as err:
+            return str(err)
+        finally:
+            groups[:] = originals
+            for group, kept in zip(originals, saved):
+                group.clear()
+                group.update(kept)
+            engine.zero_grad()
+
+    before = engine.full_state_dict()
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {"moved_name": names[id(groups[2]["params"][-1])], "lost_name": names[id(groups[1]["params"][-1])]}
+    edits = {"moved": lambda g: g[0]["params"].append(g[2]["params"].pop()),
+             "removed": lambda g: g[1]["params"].pop(),
+             "added": lambda g: g.append({**g[2], "params": []}),
+             "maximize": lambda g: g[0].update(maximize=True),
+             "amsgrad": lambda g: g[1].update(amsgrad=True),
+             "one rank": lambda g: g[0].update(maximize=True) if rank == 1 else None}
+    out.update({name: refusal(edit) for name, edit in edits.items()})
+    out["unchanged"] = engine.global_step == 0 and all(torch.equal(before[k], v)
+                                                       for k, v in engine.full_state_dict().items())
+    groups[0].update(amsgrad=False, maximize=False, foreach=True)   # torch's defaults, an implementation choice
+    out["stepped"] = [step(batches[0][0])]
+    schedulers = torch.optim.lr_scheduler
+    for make in (lambda o: schedulers.OneCycleLR(o, max_lr=LR, total_steps=4, cycle_momentum=True),
+                 lambda o: schedulers.CosineAnnealingLR(o, T_max=4),
+                 lambda o: schedulers.SequentialLR(o, [schedulers.LinearLR(o, 0.5, total_iters=1),
+                                                       schedulers.ExponentialLR(o, 0.9)], milestones=[1])):
+        scheduler = make(engine.optimizer)
+        for (tokens,) in batches[1:3]:
+            out["stepped"].append(step(tokens))
+            scheduler.step()
+    out["keys"] = sorted(groups[0])
+    return out
+
+
+def test_edits_the_update_would_ignore_are_refused_on_every_rank():
+    """Moving a parameter to another group by hand, removing one or adding a group, or setting an
+    AdamW option zero-ref does not implement (maximize, amsgrad) was silently ignored: now the step
+    raises on every rank, naming the group and the key, and changes nothing. Options at torch's
+    defaults and the keys of torch's schedulers (OneCycleLR, which sets betas, CosineAnnealingLR,
+    SequentialLR) still step."""
+    for rank, out in enumerate(spawn(_edited_by_hand, 2, global_batches(3, 1, 12), timeout=180)):
+        regroup = "pass param_groups to zero_ref.initialize for another grouping"
+        assert f"param_groups[0]['params'] was changed after initialize (it now holds '{out['moved_name']}')" \
+               in out["moved"] and regroup in out["moved"], out["moved"]
+        assert f"param_groups[1]['params'] was changed after initialize (it no longer holds " \
+               f"'{out['lost_name']}')" in out["removed"], out["removed"]
+        assert "holds 4 groups, the engine was built with 3" in out["added"] and regroup in out["added"]
+        assert "param_groups[0]['maximize'] = True is not supported" in out["maximize"], out["maximize"]
+        assert "param_groups[1]['amsgrad'] = True is not supported" in out["amsgrad"], out["amsgrad"]
+        assert ("['maximize'] = True is not supported" if rank == 1 else "1 of 2 ranks") in out["one rank"]
+        assert out["unchanged"], rank
+        assert out["stepped"] == [True] * 7, out["stepped"]
+        assert {"initial_lr", "max_momentum", "amsgrad", "foreach"} <= set(out["keys"]), out["keys"]
+
+
+def test_the_adamw_options_refused_are_all_that_change_torchs_update():
+    """ADAMW_FIXED holds every torch.optim.AdamW option beyond lr, betas, eps and weight_decay, at
+    torch's default, but those that choose how torch computes: a new one in torch shows here."""
+    from zero_ref.param_groups import ADAMW_FIXED, HYPER_KEYS
+
+    defaults = torch.optim.AdamW([nn.Parameter(torch.zeros(1))]).defaults
+    how = ("foreach", "fused", "capturable", "differentiable")
+    assert ADAMW_FIXED == {k: v for k, v in defaults.items() if k not in (*HYPER_KEYS, *how)}

@@ -7,7 +7,7 @@ field and says what is allowed, so a typo fails at construction instead of deep 
 from __future__ import annotations
 
 import dataclasses
-import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -88,9 +88,8 @@ class ZeroConfig:
     min_loss_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        _check(self.stage in STAGES and not isinstance(self.stage, bool) and isinstance(self.stage, int),
-               "stage", self.stage, "one of 0, 1, 2, 3")
-        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(map(repr, DTYPES))}")
+        _check(_one_of(self.stage, STAGES, int), "stage", self.stage, "one of 0, 1, 2, 3")
+        _check(_one_of(self.dtype, DTYPES, str), "dtype", self.dtype, f"one of {', '.join(map(repr, DTYPES))}")
         _check(_finite_number(self.lr) and self.lr >= 0, "lr", self.lr, "a finite number >= 0")
         betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else None
         _check(betas is not None and len(betas) == 2 and all(_finite_number(b) and 0 <= b < 1 for b in betas),
@@ -107,13 +106,13 @@ class ZeroConfig:
         _check(isinstance(self.overlap, bool), "overlap", self.overlap, "True or False")
         _check(isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool) and self.prefetch >= 0,
                "prefetch", self.prefetch, "an integer >= 0")
-        _check(self.reduce_dtype is None or self.reduce_dtype in REDUCE_DTYPES, "reduce_dtype", self.reduce_dtype,
-               f"None (the model dtype) or {', '.join(map(repr, REDUCE_DTYPES))}")
+        _check(self.reduce_dtype is None or _one_of(self.reduce_dtype, REDUCE_DTYPES, str), "reduce_dtype",
+               self.reduce_dtype, f"None (the model dtype) or {', '.join(map(repr, REDUCE_DTYPES))}")
         _check(isinstance(self.cast_buffers, bool), "cast_buffers", self.cast_buffers, "True or False")
-        _check(self.kernels in KERNELS, "kernels", self.kernels, f"one of {', '.join(map(repr, KERNELS))}")
+        _check(_one_of(self.kernels, KERNELS, str), "kernels", self.kernels, f"one of {', '.join(map(repr, KERNELS))}")
         _check(isinstance(self.broadcast_buffers, bool), "broadcast_buffers", self.broadcast_buffers,
                "True or False")
-        _check(self.nonfinite in NONFINITE, "nonfinite", self.nonfinite,
+        _check(_one_of(self.nonfinite, NONFINITE, str), "nonfinite", self.nonfinite,
                f"one of {', '.join(map(repr, NONFINITE))}")
         _check(_finite_number(self.comm_timeout_s) and self.comm_timeout_s > 0, "comm_timeout_s",
                self.comm_timeout_s, "a finite number of seconds > 0")
@@ -139,8 +138,18 @@ class ZeroConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _one_of(value, allowed, kind: type) -> bool:
+    """Whether `value`, of type `kind` (not a bool), is one of `allowed`. The type is checked first:
+    a list or dict crashes a lookup in a dict (unhashable), and a tensor or array an `in` on a tuple
+    (its == is elementwise), instead of reading as a bad value of the field."""
+    return isinstance(value, kind) and not isinstance(value, bool) and value in allowed
+
+
 def _finite_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """An int or float (not a bool) that a float holds finitely. Compared, not passed to
+    math.isfinite, which raises OverflowError for an int beyond the floats' range."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and -sys.float_info.max <= value <= sys.float_info.max)
 
 
 def _positive_int(value) -> bool:

@@ -17,7 +17,11 @@ hyper-parameters of the parameter a piece belongs to when it updates that piece.
 ZeroConfig's). `engine.step()` reads them afresh, so a change applies exactly on the next step. Its
 `step()` is `engine.step()`, its `zero_grad()` is `engine.zero_grad()`; its state lives in the
 engine's shards, so `state_dict()` refuses and points to `engine.save_checkpoint`, which saves the
-groups' values (and, if given, the scheduler's state).
+groups' values (and, if given, the scheduler's state). Only those four values may change: the
+parameters' grouping is fixed at initialize (the stage looks a piece's group up in a table built
+then), and the update is AdamW's with torch's defaults for its other options, so `engine.step()`
+refuses a parameter moved between groups by hand, or an option such as `maximize=True` set on a
+group, which it would otherwise ignore.
 
 Every rank must hold the same values, or the shards of one model would take different steps.
 `engine.step()` checks it without a collective of its own: each rank adds a fingerprint of its
@@ -39,9 +43,25 @@ from torch import nn
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 """What a group may set (beside "params"); a scheduler may add its own keys (e.g. "initial_lr")."""
 
+ALLOWED_KEYS = ("params", *HYPER_KEYS)
+"""The keys a group passed to `initialize` may hold."""
+
+ADAMW_FIXED = {"amsgrad": False, "maximize": False, "decoupled_weight_decay": True}
+"""torch.optim.AdamW's other options that change its update, at the only values zero-ref's update
+implements. (Its foreach, fused, capturable and differentiable choose how torch computes, not
+what: any value gives the same update.)"""
+
+REGROUPING = ("Nothing was updated on any rank. The parameters' grouping is fixed when the engine is built, and "
+              f"a group may change only its {', '.join(HYPER_KEYS)}: pass param_groups to zero_ref.initialize "
+              "for another grouping")
+
 
 def check_hyper(where: str, group: dict) -> tuple[float, float, float, float, float]:
     """(lr, beta1, beta2, eps, weight_decay) of one group as floats; ValueError naming the bad key."""
+    missing = [key for key in HYPER_KEYS if key not in group]
+    if missing:
+        raise ValueError(f"{where} lacks {missing}: a group holds {', '.join(HYPER_KEYS)}; set them again")
+
     def number(key, value, ok, allowed):
         value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
@@ -55,6 +75,18 @@ def check_hyper(where: str, group: dict) -> tuple[float, float, float, float, fl
     return (number("lr", group["lr"], lambda v: v >= 0, "a finite number >= 0"), beta1, beta2,
             number("eps", group["eps"], lambda v: v > 0, "a finite number > 0"),
             number("weight_decay", group["weight_decay"], lambda v: v >= 0, "a finite number >= 0"))
+
+
+def check_options(where: str, group: dict) -> None:
+    """ValueError naming the first of AdamW's options (ADAMW_FIXED) that `group` sets to a value
+    zero-ref's update does not implement, which it would silently ignore. Other keys, such as the
+    'initial_lr' or 'max_momentum' of torch's schedulers, do not enter the update and may be there."""
+    for key, implemented in ADAMW_FIXED.items():
+        value = group.get(key, implemented)
+        if not (isinstance(value, type(implemented)) and value == implemented):
+            raise ValueError(f"{where}[{key!r}] = {value!r} is not supported: zero-ref's AdamW reads "
+                             f"{', '.join(ALLOWED_KEYS)} from a group, and is torch's with {key}={implemented!r}. "
+                             f"Nothing was updated on any rank; remove the key or set it to {implemented!r}")
 
 
 def build_groups(spec, model: nn.Module, trainable: list[nn.Parameter], defaults: dict) -> list[dict]:
@@ -73,9 +105,9 @@ def build_groups(spec, model: nn.Module, trainable: list[nn.Parameter], defaults
         where = f"param_groups[{i}]"
         if not isinstance(group, dict) or "params" not in group:
             raise TypeError(f"{where} must be a dict with a 'params' entry, got {group!r:.80}")
-        unknown = sorted(set(group) - {"params", *HYPER_KEYS})
+        unknown = sorted(set(group) - set(ALLOWED_KEYS))
         if unknown:
-            raise ValueError(f"{where} has unknown keys {unknown}: allowed are 'params' and {', '.join(HYPER_KEYS)}")
+            raise ValueError(f"{where} has unknown keys {unknown}: allowed are {', '.join(ALLOWED_KEYS)}")
         params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
         for param in params:
             if not isinstance(param, nn.Parameter) or id(param) not in names:
@@ -117,10 +149,42 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g, group in enumerate(self.param_groups):
             for param in group["params"]:
                 self.group_of[index[id(param)]] = g
+        self.members = [sorted(map(id, group["params"])) for group in self.param_groups]
+        """members[g]: the ids of group g's parameters at initialize, which group_of holds."""
 
     def hyperparameters(self) -> list[tuple[float, float, float, float, float]]:
-        """(lr, beta1, beta2, eps, weight_decay) per group, as this rank holds them now (validated)."""
+        """(lr, beta1, beta2, eps, weight_decay) per group, as this rank holds them now (validated,
+        with the groups' members and options: `check_grouping`)."""
+        self.check_grouping()
         return [check_hyper(f"engine.optimizer.param_groups[{g}]", group) for g, group in enumerate(self.param_groups)]
+
+    def check_grouping(self) -> None:
+        """ValueError unless the groups hold the parameters they held at initialize and no option
+        zero-ref does not implement (`check_options`): the update takes a parameter's group from
+        `group_of`, so a parameter moved to another group by hand would keep its old group's
+        hyper-parameters, silently."""
+        if len(self.param_groups) != len(self.members):
+            raise ValueError(f"engine.optimizer.param_groups holds {len(self.param_groups)} groups, the engine was "
+                             f"built with {len(self.members)}. {REGROUPING}")
+        for g, (group, members) in enumerate(zip(self.param_groups, self.members)):
+            where = f"engine.optimizer.param_groups[{g}]"
+            params = group.get("params")
+            if not isinstance(params, (list, tuple)) or sorted(map(id, params)) != members:
+                raise ValueError(f"{where}['params'] was changed after initialize ({self._change(params, members)}). "
+                                 f"{REGROUPING}")
+            check_options(where, group)
+
+    def _change(self, params, members: list[int]) -> str:
+        """How `params` differs from a group's `members` at initialize, in the model's names."""
+        if not isinstance(params, (list, tuple)):
+            return f"it is a {type(params).__name__}, not a list of parameters"
+        names = {id(p): n for n, p in self._engine.module.named_parameters()}
+        held = {id(p) for p in params}
+        gained = sorted(names.get(i, "a tensor not of the model") for i in held - set(members))
+        lost = sorted(names[i] for i in set(members) - held)
+        changes = [f"{what} {', '.join(map(repr, which[:3]))}{' ...' if len(which) > 3 else ''}"
+                   for what, which in (("it now holds", gained), ("it no longer holds", lost)) if which]
+        return "; ".join(changes) or "it lists a parameter twice"
 
     def step(self, closure=None):
         """`engine.step()`: the update, if the backwards since the last step complete one."""
@@ -195,7 +259,9 @@ def agreement(summed: list[float], world_size: int) -> str | None:
     failure part is `failure_disagreement`'s)."""
     invalid, same = summed[0], _same_on_every_rank(summed, world_size)[:-1]
     if invalid:
-        return f"{int(invalid)} of {world_size} ranks hold invalid hyper-parameters in engine.optimizer.param_groups"
+        return (f"{int(invalid)} of {world_size} ranks hold invalid hyper-parameters in engine.optimizer.param_groups "
+                "(a bad value, an option zero-ref does not implement, or parameters moved between groups: those "
+                "ranks raise what they found). Nothing was updated on any rank")
     if all(same):
         return None
     return ("the ranks hold different hyper-parameters in engine.optimizer.param_groups (a learning-rate "

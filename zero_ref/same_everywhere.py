@@ -102,12 +102,17 @@ def _check_groups(everyone: list[dict]) -> None:
                 raise ValueError(f"param_groups differ across ranks: group {i} has {values}")
 
 
-def value_digest(values: list[torch.Tensor]) -> list[tuple[float, float, float]]:
-    """Each tensor's fp64 (sum, sum of magnitudes, sum of squares): a few numbers per tensor that
-    ranks exchange to learn whether they hold the same values."""
+def value_digest(values: list[torch.Tensor]) -> list[tuple[float, ...]]:
+    """Each tensor's fp64 (sum, sum of magnitudes, sum of squares) over its finite elements and its
+    counts of NaN, +inf and -inf: a few numbers per tensor that ranks exchange to learn whether they
+    hold the same values. Non-finite elements are counted apart because, summed in, one NaN makes
+    every sum NaN, which equals nothing: not the same NaN on another rank, nor hides a finite
+    element that differs beside it."""
     def sums(v: torch.Tensor) -> torch.Tensor:
         d = v.detach().double()   # any dtype, bool and integer buffers included
-        return torch.stack([d.sum(), d.abs().sum(), d.square().sum()])
+        finite = torch.where(d.isfinite(), d, 0.0)
+        return torch.stack([finite.sum(), finite.abs().sum(), finite.square().sum(),
+                            d.isnan().sum().double(), d.isposinf().sum().double(), d.isneginf().sum().double()])
 
     rows = [sums(v) for v in values]
     if len({r.device for r in rows}) == 1:   # one transfer (a GPU's parameters: one host sync)
@@ -117,11 +122,13 @@ def value_digest(values: list[torch.Tensor]) -> list[tuple[float, float, float]]
 
 def ranks_with_other_values(everyone: list[list], mine: list) -> list[int]:
     """The ranks whose digest differs from `mine`. The same values summed in another order differ
-    by rounding only, so sums agree within 1e-9 of their magnitudes."""
+    by rounding only, so sums agree within 1e-9 of their magnitudes (or are equal: sums that
+    overflowed to inf alike); the counts of non-finite elements agree exactly."""
     def same(a, b) -> bool:
-        (sum_a, abs_a, sq_a), (sum_b, abs_b, sq_b) = a, b
-        return (abs(sum_a - sum_b) <= 1e-9 * max(abs_a, abs_b) + 1e-30 and math.isclose(abs_a, abs_b, rel_tol=1e-9)
-                and math.isclose(sq_a, sq_b, rel_tol=1e-9))
+        (sum_a, abs_a, sq_a, *nonfinite_a), (sum_b, abs_b, sq_b, *nonfinite_b) = a, b
+        return (nonfinite_a == nonfinite_b
+                and (sum_a == sum_b or abs(sum_a - sum_b) <= 1e-9 * max(abs_a, abs_b) + 1e-30)
+                and math.isclose(abs_a, abs_b, rel_tol=1e-9) and math.isclose(sq_a, sq_b, rel_tol=1e-9))
 
     return [rank for rank, theirs in enumerate(everyone)
             if len(theirs) != len(mine) or not all(same(a, b) for a, b in zip(theirs, mine))]
