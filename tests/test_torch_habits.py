@@ -270,3 +270,68 @@ def test_the_engine_reports_the_gradient_norm_that_clip_grad_norm_would():
             for ours, torchs in pairs[1:]:
                 assert abs(ours - torchs) <= 1e-5 * torchs, (stage, ours, torchs)
             assert error < 1e-5, (stage, error)
+
+
+def _zero_grads_at_odd_places(rank, world):
+    return {stage: _zero_grads_at_odd_places_at(rank, world, stage) for stage in range(4)}
+
+
+def _zero_grads_at_odd_places_at(rank, world, stage):
+    """1. zero_grad(set_to_none=False) between the last backward and step(), on every rank: torch's
+    AdamW then steps with zero gradients (momentum, weight decay); so must the engine (it dropped the
+    step). 2. step() on rank 0 while the others zero_grad() at the boundary: rank 0 raises and drops
+    the step too. 3. zero_grad() on rank 1 alone in the middle of an accumulation: every rank raises
+    at that step. After each, training goes on exactly, as torch's does without that step."""
+    batches = token_batches(6, 2 * world)
+    model, reference = DataDependentOrder(), DataDependentOrder()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
+    engine = zero_ref.initialize(model, cfg(stage, grad_accum_steps=2))
+    raised = []
+
+    def micro_batch(tokens, torch_too=True):
+        part = local(tokens, rank, world)
+        engine.backward(lm_loss(engine(part), part))
+        if torch_too:
+            (sum(lm_loss(reference(p), p) for p in tokens.chunk(world)) / world / 2).backward()
+
+    def attempt(call):
+        try:
+            call()
+        except ValueError as err:
+            raised.append(str(err)[:60])
+
+    for i, tokens in enumerate(batches):
+        case = i // 2
+        micro_batch(tokens, torch_too=case != 1)
+        if i % 2 == 0:
+            if case == 2 and rank == 1:
+                engine.zero_grad()   # rank 1 alone, mid-accumulation
+            continue
+        if case == 0:
+            engine.zero_grad(set_to_none=False)
+            reference.zero_grad(set_to_none=False)
+        if case == 1:
+            attempt(engine.step if rank == 0 else engine.zero_grad)   # torch: this step never happened
+            continue
+        if case == 2:
+            attempt(engine.step)
+            engine.zero_grad()
+            reference.zero_grad()
+            continue
+        assert engine.step()
+        optimizer.step()
+        optimizer.zero_grad()
+    return raised, state_error(engine.full_state_dict(), reference.state_dict())
+
+
+def test_zero_grad_at_a_boundary_keeping_zeros_steps_and_one_ranks_zero_grad_is_refused_everywhere():
+    """Before: (1) step() returned False and nothing changed (0.28 from torch); (2) only rank 0 raised,
+    telling it to step again, which then hung until the timeout on every rank; (3) no error, and a
+    result that depended on the stage (stages 2-3 had reduced every rank's micro-batch already)."""
+    for rank, by_stage in enumerate(spawn(_zero_grads_at_odd_places, 3, timeout=300)):
+        for stage, (raised, error) in by_stage.items():
+            expected = (["engine.step() was called at this step boundary on 1 of 3"] if rank == 0 else []) + [
+                "engine.zero_grad() was called on 1 of 3 ranks only in the"]
+            assert [r[:len(e)] for r, e in zip(raised, expected)] == expected and len(raised) == len(expected), \
+                (rank, stage, raised)
+            assert error < 1e-5, (rank, stage, error)

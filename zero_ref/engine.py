@@ -224,6 +224,7 @@ class ZeroEngine:
         self.grad_norm: float | None = None   # the last step's global gradient norm (see the class docstring)
         self._skipped_steps = 0
         self._failed_at = 0   # the micro-batch of this step at which a forward or backward raised (0: none)
+        self._discarded_mid_step = False   # zero_grad() dropped gradients of this step's earlier micro-batches
         self._boundary_unchecked = False   # a backward reached a step boundary and no step() followed yet
         ownership.take(self, model)   # one open engine per model; model.zero_grad() is engine.zero_grad()
         self.stage.note_param_writes()
@@ -334,6 +335,7 @@ class ZeroEngine:
         summed = self._step_statistics(stepping=True)
         step_failures.refuse_if_the_ranks_failed_apart(self, summed)
         step_failures.refuse_unless_every_rank_steps(self, summed)
+        step_failures.refuse_if_some_ranks_discarded(self, summed)
         if summed.detached_anywhere:
             raise RuntimeError(detached_message(self.module, self.dtype, summed.detached, summed.unfrozen))
         if summed.hyper_error or summed.disagreement:
@@ -366,15 +368,17 @@ class ZeroEngine:
         self.global_step += 1
         return True
 
-    def _step_statistics(self, stepping: bool = False) -> StepStatistics:
+    def _step_statistics(self, stepping: bool = False, discarding: bool = False) -> StepStatistics:
         """The step's one statistics all-reduce (grad_stats.py); it carries the micro-batch of this
-        step at which this rank's forward or backward raised, which is then forgotten, and whether
-        step() sends it (`stepping`)."""
+        step at which this rank's forward or backward raised and whether a zero_grad() dropped
+        gradients of its earlier micro-batches, which are then forgotten, and whether step() sends it
+        (`stepping`) or a call that drops the step (`discarding`)."""
         failed_at, self._failed_at = self._failed_at, 0
+        discarded, self._discarded_mid_step = self._discarded_mid_step, False
         self._boundary_unchecked = False
         with torch.no_grad():
             return self.grad_stats.step_statistics(self.optimizer, self.frozen, failed_at, self._ranks_summed,
-                                                   stepping)
+                                                   stepping, discarding, discarded)
 
     @property
     def _ranks_summed(self) -> int:
@@ -406,12 +410,19 @@ class ZeroEngine:
         put it, as in a torch loop that steps every grad_accum_steps micro-batches. `model.zero_grad()`
         and `engine.optimizer.zero_grad()` call it. As in torch, `set_to_none=False` leaves the
         parameters that got a gradient with one of zeros: the step updates them even if no later
-        micro-batch reaches them (weight decay, momentum); by default it updates only those that do."""
+        micro-batch reaches them (weight decay, momentum); by default it updates only those that do.
+        So at a step boundary `set_to_none=False` keeps the boundary, and step() then updates them
+        with zero gradients, as torch's AdamW does; by default the step is dropped. Called on some
+        ranks only in the middle of a step's micro-batches, the ranks would hold gradients of
+        different micro-batches: that step raises ValueError on every rank (step_failures.py)."""
         self._check_open()
-        step_failures.check_nobody_failed_at_the_boundary(self, discarding=True)
+        keep_boundary = not set_to_none and self.at_boundary and not self.stage.polluted
+        if not keep_boundary:
+            step_failures.check_nobody_failed_at_the_boundary(self, discarding=True)
+            self._discarded_mid_step |= self.micro_step % self.config.grad_accum_steps != 0
+            self.micro_step %= self.config.grad_accum_steps
         self.stage.zero_grads(keep_used=not set_to_none)
         self.stage.polluted = None
-        self.micro_step %= self.config.grad_accum_steps
 
     def _check_clean(self) -> None:
         if self.stage.polluted:
@@ -452,6 +463,7 @@ class ZeroEngine:
         anywhere changes nothing anywhere. The step in progress, if any, is dropped."""
         self._open_collective_call("load_checkpoint", discarding=True)
         checkpoint.load_checkpoint(self, self._mp_path(path), lr_scheduler)
+        self._discarded_mid_step = False   # the step it dropped
 
     def _mp_path(self, path):
         """With model parallelism each MP rank's slice of the model is its own sharded checkpoint,

@@ -44,6 +44,9 @@ class StepStatistics:
     used: list[float] = dataclasses.field(default_factory=list)   # per parameter: ranks where it got a gradient
     written: float = 0.0                       # ranks whose parameters were written from outside
     stepping: float = 0.0                      # ranks that sent these statistics from step()
+    discarding: float = 0.0                    # ranks that sent them dropping the step (zero_grad, a load)
+    discarded: float = 0.0                     # ranks whose zero_grad() dropped gradients of this step's
+                                               # earlier micro-batches
     detached_anywhere: float = 0.0             # parameters detached or unfrozen, over every rank
     failure_disagrees: str | None = None       # param_groups.failure_disagreement
     disagreement: str | None = None            # param_groups.agreement
@@ -80,12 +83,14 @@ class GradStats:
             stats[mp_slots] = head
 
     def step_statistics(self, optimizer, frozen: list[nn.Parameter], failed_at: int, ranks: int,
-                        stepping: bool) -> StepStatistics:
+                        stepping: bool, discarding: bool = False, discarded: bool = False) -> StepStatistics:
         """The step's one small all-reduce and host sync: [sum of squares, non-finite flag, one 0/1
         per parameter (did it get a gradient?), the hyper-parameters' agreement fingerprint and
         `failed_at` (the micro-batch at which this rank's forward or backward raised, 0: none;
         param_groups.agreement_stats), were the parameters written from outside (1/0), is this
-        `stepping` (sent by step(), 1/0), how many parameters left the stage's buffers], summed
+        `stepping` (sent by step(), 1/0), `discarding` (sent by a call that drops the step, 1/0),
+        `discarded` (zero_grad dropped gradients of this step's earlier micro-batches, 1/0), how many
+        parameters left the stage's buffers], summed
         over the ranks (`ranks` of them; stage 0: only
         rank 0's sum of squares and flag count; the first two and the last over the MP ranks too),
         then read on the host. `optimizer`: the engine's parameter groups; `frozen`: the parameters
@@ -99,7 +104,7 @@ class GradStats:
         out.detached = stage.detached()
         out.unfrozen = [p for p in frozen if p.requires_grad]   # trainable now, but never sharded
         extra = [*agreement_stats(out.hyper, failed_at), float(stage.params_written()), float(stepping),
-                 float(len(out.detached) + len(out.unfrozen))]
+                 float(discarding), float(discarded), float(len(out.detached) + len(out.unfrozen))]
         stats = torch.cat([self.local(out.grads), stage.used_mask(extra)])
         self.sum(stats, mp_slots=[0, 1, -1])
         n_used = len(stats) - 2 - len(extra)
@@ -107,8 +112,8 @@ class GradStats:
             out.used = [1.0] * n_used   # present and finite, so that the update makes its real allocations
             return out
         out.sum_sq, out.nonfinite, *rest = stats.tolist()
-        out.used, summed_agree = rest[:n_used], rest[n_used:-3]
-        out.written, out.stepping, out.detached_anywhere = rest[-3:]
+        out.used, summed_agree = rest[:n_used], rest[n_used:-5]
+        out.written, out.stepping, out.discarding, out.discarded, out.detached_anywhere = rest[-5:]
         out.failure_disagrees = failure_disagreement(summed_agree, ranks)
         out.disagreement = agreement(summed_agree, ranks)
         return out

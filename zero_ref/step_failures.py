@@ -22,7 +22,11 @@ with one of theirs. So:
    their own channel (comm.py), so a rank that waits there never pairs them with another rank's
    gradient bucket. The statistics also say which ranks sent them from step(): if some ranks step
    at a boundary and others go on without stepping, every rank raises ValueError there, before
-   anything is updated (`refuse_unless_every_rank_steps`); step() on every rank then goes on.
+   anything is updated (`refuse_unless_every_rank_steps`); step() on every rank then goes on. If the
+   others dropped the step instead (zero_grad, load_checkpoint), the stepping ranks drop it too.
+4. A zero_grad() in the middle of a step's micro-batches on some ranks only leaves the ranks with
+   gradients of different micro-batches: the statistics say so, and every rank raises ValueError
+   at that step, nothing updated (`refuse_if_some_ranks_discarded`).
 
 A forward (with gradients enabled) that raised is recorded the same way. At stage 3 a forward that
 raises on some ranks raises on every rank (stage3.py), so every rank skips or retries alike; at
@@ -96,7 +100,7 @@ def check_nobody_failed_at_the_boundary(engine: "ZeroEngine", discarding: bool =
     ValueError; or, `discarding` the step (zero_grad, load_checkpoint), just goes on."""
     if not engine._boundary_unchecked:
         return
-    summed = engine._step_statistics()
+    summed = engine._step_statistics(discarding=discarding)
     if not discarding:
         refuse_if_the_ranks_failed_apart(engine, summed)
         refuse_unless_every_rank_steps(engine, summed)
@@ -116,12 +120,34 @@ def refuse_unless_every_rank_steps(engine: "ZeroEngine", summed: StepStatistics)
     the same step boundary, went on without stepping (their next call sent them: step 3 above).
     Nothing was updated and the gradients are kept, so step() on every rank then goes on."""
     everyone = engine._ranks_summed
+    if 0 < summed.stepping < everyone and summed.discarding:
+        engine.stage.zero_grads()   # as the others did: every rank goes on from the same (empty) step
+        engine.micro_step = 0
+        raise ValueError(
+            f"engine.step() was called at this step boundary on {int(summed.stepping)} of {everyone} ranks, while "
+            f"{int(summed.discarding)} dropped the step (zero_grad(), or load_checkpoint). Nothing was updated on "
+            "any rank, and the step's gradients are now dropped here too, so every rank goes on alike from the next "
+            "micro-batch")
     if 0 < summed.stepping < everyone:
         raise ValueError(
             f"engine.step() was called at this step boundary on {int(summed.stepping)} of {everyone} ranks; the "
             "others went on without it (another forward or backward, or a collective call such as "
             "full_state_dict). Nothing was updated and the gradients are kept: call step() on every rank "
             "(or zero_grad() on every rank to drop them)")
+
+
+def refuse_if_some_ranks_discarded(engine: "ZeroEngine", summed: StepStatistics) -> None:
+    """ValueError on every rank if zero_grad() dropped gradients of this step's earlier micro-batches
+    on some ranks only: the ranks then hold gradients of different micro-batches (at stages 2-3
+    the reduced ones of every rank), so no update would be the one torch computes. Nothing is
+    updated; the gradients stay unusable until zero_grad() on every rank."""
+    everyone = engine._ranks_summed
+    if 0 < summed.discarded < everyone:
+        engine.stage.polluted = (
+            f"engine.zero_grad() was called on {int(summed.discarded)} of {everyone} ranks only in the middle of this "
+            "step's micro-batches, so the ranks hold gradients of different micro-batches. Nothing was updated; "
+            "call zero_grad() on every rank (or on none) and go on")
+        raise ValueError(engine.stage.polluted)
 
 
 def step_raised(engine: "ZeroEngine", err: BaseException) -> None:
