@@ -1,5 +1,6 @@
 """Bad input fails early with a message that names what is wrong."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -119,6 +120,19 @@ def _given_differently(rank, world_size):
             out[name] = None
         except ValueError as err:
             out[name] = str(err)
+    # refused by initialize's own checks on rank 1 only (the others waited for it until the timeout),
+    # or built another way there (a buffer left on the meta device: sharded construction on rank 1 alone)
+    compiled, meta_buffer = copy.deepcopy(model), copy.deepcopy(model)
+    if rank == 1:
+        compiled.compile()   # stage 3 refuses a compiled model
+        meta_buffer.register_buffer("scale", torch.ones(1, device="meta"))
+    for name, (other, config) in {"compiled on one rank": (compiled, dict(base, stage=3)),
+                                  "meta on one rank": (meta_buffer, base)}.items():
+        try:
+            zero_ref.initialize(other, zero_ref.ZeroConfig(**config)).close()
+            out[name] = None
+        except ValueError as err:
+            out[name] = str(err)
     with zero_ref.initialize(model, zero_ref.ZeroConfig(**base)) as engine:   # nothing was left half-built
         engine.backward(engine(torch.ones(2, 3)).sum())
         out["then"] = engine.step()
@@ -134,6 +148,9 @@ def test_configs_or_param_groups_that_differ_across_ranks_are_refused_on_every_r
     for rank, out in enumerate(spawn(_given_differently, 2)):
         for name, fragment in expected.items():
             assert out[name] is not None and fragment in out[name], (rank, name, out[name])
-        refused = out["refused on one rank"]
-        assert refused is not None and ("momentum" in refused if rank == 1 else "refused on rank(s) 1" in refused)
+        for name, own in (("refused on one rank", "momentum"), ("compiled on one rank", "compiled")):
+            refused = out[name]
+            assert refused is not None and (own in refused if rank == 1 else "refused on rank(s) 1" in refused), \
+                (rank, name, refused)
+        assert "rank(s) 1 built theirs on the meta device" in (out["meta on one rank"] or ""), out["meta on one rank"]
         assert out["then"] is True

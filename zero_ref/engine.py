@@ -143,22 +143,32 @@ def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.Process
             raise ValueError(f"mesh must be a 2-D DeviceMesh with dimensions named 'dp' and 'mp', got "
                              f"dimensions {names or None} of shape {tuple(getattr(mesh, 'shape', ()))}")
         process_group, mp_group = mesh.get_group("dp"), mesh.get_group("mp")
+    try:   # refused here on some ranks only, it is refused on every rank at the engine's first exchange
+        materializer, refusal = _take(model, config, process_group, init_fn, state_dict, device), None
+    except ValueError as err:
+        materializer, refusal = None, err
+    return ZeroEngine(model, config, process_group, mp_group, materializer, param_groups, refusal)
+
+
+def _take(model: nn.Module, config: ZeroConfig, process_group, init_fn, state_dict, device
+          ) -> materialize.Materializer | None:
+    """Check that this rank can take `model` (no other open engine holds it; stage 3: not compiled) and
+    prepare sharded construction for a model on the meta device; ValueError says why not."""
     ownership.check_not_taken(model)
     if config.stage == 3:
         refuse_compiled(model)
-    materializer = None
     backend = str(dist.get_backend_config(process_group) if hasattr(dist, "get_backend_config")
                   else dist.get_backend(process_group))
     # a fake process group (at_scale.py) runs the engine on meta tensors on purpose: nothing to materialise
     if materialize.has_meta_tensors(model) and "fake" not in backend:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-        materializer = materialize.Materializer(model, device, init_fn, state_dict)
-    elif init_fn is not None or state_dict is not None:
+        return materialize.Materializer(model, device, init_fn, state_dict)
+    if init_fn is not None or state_dict is not None:
         raise ValueError("init_fn and state_dict are for models built on the meta device (sharded construction); "
                          "this model already has values (load a state dict into it before initialize, or use "
                          "engine.load_checkpoint)")
-    return ZeroEngine(model, config, process_group, mp_group, materializer, param_groups)
+    return None
 
 
 class ZeroEngine:
@@ -175,15 +185,17 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, config: ZeroConfig, process_group: dist.ProcessGroup | None,
                  mp_group: dist.ProcessGroup | None = None, materializer: materialize.Materializer | None = None,
-                 param_groups=None):
+                 param_groups=None, refusal: ValueError | None = None):
         self.module = model
         self.config = config
         self.dtype = config.torch_dtype
         params = list(model.parameters())
         devices = {p.device for p in params} | {b.device for b in model.buffers()}
-        if len(devices) > 1:
-            raise ValueError(f"the model's tensors must all be on one device, found {sorted(map(str, devices))}")
-        device = devices.pop() if devices else torch.device("cpu")
+        if len(devices) > 1 and refusal is None:
+            refusal = ValueError(f"the model's tensors must all be on one device, found {sorted(map(str, devices))}")
+        # (several: the one the collectives can serve, for the exchange that tells every rank of the refusal)
+        device = min(devices, key=lambda d: ("cuda", "cpu").index(d.type) if d.type in ("cuda", "cpu") else 2,
+                     default=torch.device("cpu"))
         self.ledger = CommLedger()
         self.comm = Comm(process_group, self.ledger, device, config.comm_timeout_s, gather_channel=config.stage == 3)
         self.mp_comm = Comm(mp_group, self.ledger, device, config.comm_timeout_s) \
@@ -194,7 +206,8 @@ class ZeroEngine:
         self.frozen = [p for p in params if not p.requires_grad]
         defaults = {"lr": config.lr, "betas": config.betas, "eps": config.eps, "weight_decay": config.weight_decay}
         groups = check_same_everywhere(   # before anything changes: on every rank alike
-            model, self.comm, config, lambda: build_groups(param_groups, model, trainable, defaults))
+            model, self.comm, config, lambda: build_groups(param_groups, model, trainable, defaults), refusal,
+            from_meta=materializer is not None)
         sharded_construction = materializer is not None and config.stage == 3
         if materializer is not None:
             self._start_from_rank0_rng(device)

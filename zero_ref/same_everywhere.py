@@ -28,22 +28,28 @@ from .refusals import gather_refusals, raise_refusals
 
 
 def check_same_everywhere(model: nn.Module, comm: Comm, config: ZeroConfig,
-                          build_groups: Callable[[], list[dict]]) -> list[dict]:
+                          build_groups: Callable[[], list[dict]], refused: Exception | None = None,
+                          from_meta: bool = False) -> list[dict]:
     """The parameter groups `build_groups()` returns, once every rank has found the same model
-    (names, shapes, requires_grad), the same config and the same groups (members and values)."""
-    try:
-        groups, refused = build_groups(), None
-    except (TypeError, ValueError) as err:
-        groups, refused = None, err
+    (names, shapes, requires_grad, and `from_meta`: built on the meta device), the same config and
+    the same groups (members and values). `refused`: this rank cannot take the model (initialize's
+    own checks); every rank then raises."""
+    groups = None
+    if refused is None:
+        try:
+            groups = build_groups()
+        except (TypeError, ValueError) as err:
+            refused = err
     params = model.named_parameters(remove_duplicate=False)
-    mine = {"params": [(name, tuple(p.shape), p.requires_grad) for name, p in params],
+    mine = {"params": [(name, tuple(p.shape), p.requires_grad) for name, p in params], "from_meta": from_meta,
             "config": dataclasses.asdict(config),
             "groups": None if groups is None else _describe(groups, model)}
     refusals, everyone = gather_refusals(comm, refused, mine)
     _check_models(everyone)       # a model or config that differs is named first: it explains a refusal
     _check_configs(everyone)
     raise_refusals(refused, refusals, "zero_ref.initialize",
-                   consequence="every rank must pass the same valid param_groups")
+                   consequence="nothing was changed on any rank (every rank must be able to take the same model, "
+                               "config and param_groups)")
     _check_groups(everyone)
     return groups
 
@@ -56,7 +62,13 @@ def _describe(groups: list[dict], model: nn.Module) -> list[tuple]:
 
 
 def _check_models(everyone: list[dict]) -> None:
-    """Every rank must hold the same parameter names and shapes; say where they first differ."""
+    """Every rank must hold the same parameter names and shapes, built the same way; say where they
+    first differ."""
+    built = [each["from_meta"] for each in everyone]
+    if len(set(built)) > 1:
+        raise ValueError(f"models differ across ranks: rank(s) {', '.join(str(r) for r, b in enumerate(built) if b)} "
+                         "built theirs on the meta device (sharded construction: values made by initialize), the others "
+                         "did not. Every rank must build the model the same way")
     reference = everyone[0]["params"]
     for rank, theirs in enumerate(each["params"] for each in everyone):
         if theirs == reference:
