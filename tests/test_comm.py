@@ -115,3 +115,23 @@ def test_gloo_reduce_scatter_frees_its_receive_buffer_on_return():
     bytes after backward must not depend on timing."""
     for left in spawn(receive_buffers_left, 2, timeout=120):
         assert len(set(left[1:])) == 1, left            # steady from the second call on: nothing left behind
+
+
+def fp16_averages(rank: int, world: int) -> list[list[float]]:
+    from zero_ref.comm import Comm, CommLedger
+
+    comm = Comm(None, CommLedger(), torch.device("cpu"))
+    grads = torch.full((4 * world,), 40000.0, dtype=torch.float16)   # fits fp16; twice it does not
+    reduced = grads.clone()
+    comm.all_reduce(reduced)
+    chunk = torch.empty(4, dtype=torch.float16)
+    comm.reduce_scatter(chunk, grads)
+    return [reduced.tolist(), chunk.tolist()]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_fp16_average_that_fits_does_not_overflow_on_gloo(world):
+    """gloo sums fp16 before dividing: a loss-scaled gradient whose mean fits fp16 became inf at world
+    2 and up, so the step was skipped at a world size and taken at another."""
+    for reduced, chunk in spawn(fp16_averages, world, timeout=60):
+        assert reduced == [40000.0] * 4 * world and chunk == [40000.0] * 4

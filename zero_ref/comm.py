@@ -227,6 +227,11 @@ class Comm:
             if self.alone:
                 work = DoneLocally(self.device)
             else:
+                if op == "avg" and self.backend == "gloo" and tensor.dtype == torch.float16:
+                    # gloo averages by summing in fp16 first: gradients whose mean fits fp16 overflowed
+                    # at world 2 (a loss-scaled 2 * 16384). Divide first, as torch's DDP does
+                    tensor.div_(self.world_size)
+                    reduce_op = dist.ReduceOp.SUM
                 work = dist.all_reduce(tensor, op=reduce_op, group=self.reduce_group, async_op=True)
         return self._issue(work, f"all_reduce of {tensor.numel()} elements", async_op)
 
@@ -262,8 +267,12 @@ class Comm:
             work = dist.all_to_all_single(received, full, group=self.reduce_group, async_op=True)
 
         def average():
-            torch.sum(received.view(self.world_size, -1), dim=0, out=output.view(-1))
-            output.div_(self.world_size)
+            rows = received.view(self.world_size, -1)
+            if output.dtype == torch.float16:   # the sum of values whose mean fits fp16 may not: sum in fp32
+                output.view(-1).copy_(rows.sum(dim=0, dtype=torch.float32).div_(self.world_size))
+            else:
+                torch.sum(rows, dim=0, out=output.view(-1))
+                output.div_(self.world_size)
             # free it now: gloo's worker thread still holds the tensor for a moment after the wait
             # returns (measured: 10-15% of calls), which made a rank's bytes depend on timing
             received.untyped_storage().resize_(0)
