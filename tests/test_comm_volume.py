@@ -39,8 +39,9 @@ def test_collectives_counted_by_torch_match_the_ledger_and_the_paper(world):
     tensors = sum(1 for p in model.parameters() if p.requires_grad)
     # the step's all-reduce of [sum of squares, flag, used per parameter, the hyper-parameters'
     # agreement fingerprint and the micro-batch at which a backward raised (AGREEMENT_SLOTS), whether the
-    # parameters were written from outside, whether step() sent them, how many left the engine's buffers]
-    statistics = 2 * (2 + tensors + AGREEMENT_SLOTS + 1 + 1 + 1)
+    # parameters were written from outside, whether step() sent them, whether a call dropping the step did,
+    # whether zero_grad dropped earlier micro-batches, how many left the engine's buffers]
+    statistics = 2 * (2 + tensors + AGREEMENT_SLOTS + 1 + 1 + 1 + 1 + 1)
     buffers = model.gain.numel()     # broadcast_buffers: rank 0's float buffers before each forward
     for rank_out in spawn(count_steps, world, timeout=300):
         for stage in range(4):

@@ -19,6 +19,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from .sharded_param import METADATA
+
 
 class ExternalUseWatcher(TorchFunctionMode):
     """Sees every torch function call of a forward or backward made outside the stage's own code.
@@ -34,7 +36,7 @@ class ExternalUseWatcher(TorchFunctionMode):
     raises rather than read a storage with no data); the stage gathers the unit and the operation
     runs again. While any gather is in flight, the watcher first
     waits for those among the arguments. Calls that only look at a parameter's metadata (shape,
-    `.grad`, hooks) neither fail nor wait for long.
+    `.grad`, hooks, its storage: sharded_param.METADATA) pass untouched.
     """
 
     def __init__(self, stage):
@@ -44,8 +46,8 @@ class ExternalUseWatcher(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         stage = self.stage
-        if stage.internal:
-            return func(*args, **kwargs)
+        if stage.internal or func in METADATA:   # the stage's own code; or no element read (torch's MemTracker
+            return func(*args, **kwargs)          # asks each module's parameters for their storages)
         in_forward = bool(stage.frames) and not stage.in_backward
         if in_forward or stage.pending:
             params = list(self._unit_params(args, kwargs))
