@@ -233,6 +233,11 @@ class Stage3(Stage):
     def is_freed(self, g: int) -> bool:
         return self.state[g] is UnitState.FREED
 
+    def _gather_for_backward(self, g: int) -> None:
+        """Make unit g gathered here in backward, through the backward schedule (held or not)."""
+        self.backward_schedule.acquire(g, held=not self.is_freed(g))
+        self._wait(g)
+
     def _wait(self, g: int) -> None:
         if self.state[g] is UnitState.GATHERING:
             self.pending.pop(g).wait()
@@ -343,8 +348,7 @@ class Stage3(Stage):
             self._acquire(g)
             units.append(g)   # released, and hooked for backward, with that root
         elif self.in_backward:   # needed by backward itself (a hook, a custom Function), outside any recomputation
-            self.backward_schedule.acquire(g, held=self.state[g] is not UnitState.FREED)
-            self._wait(g)
+            self._gather_for_backward(g)
         else:
             name = next(n for n, p in self.model.named_parameters() if p is param)
             raise RuntimeError(
@@ -370,17 +374,17 @@ class Stage3(Stage):
         """Runs when the gradient of a unit root's output is ready, before the root's backward."""
         self.check_in_backward(FOREIGN_BACKWARD)
         for g in units:
-            self.backward_schedule.acquire(g, held=self.state[g] is not UnitState.FREED)
-            self._wait(g)
+            self._gather_for_backward(g)
 
     @_internal
     def before_node(self, units: tuple[int, ...]) -> None:
         """Runs before the backward node of a forward operation that read these units' parameters."""
         for g in units:
-            if self.state[g] is UnitState.FREED:
+            if self.is_freed(g):
                 self.check_in_backward(FOREIGN_BACKWARD)
-                self.backward_schedule.acquire(g, held=False)
-            self._wait(g)
+                self._gather_for_backward(g)
+            else:
+                self._wait(g)
 
     @_internal
     def _before_grad(self, param: nn.Parameter) -> None:
@@ -403,8 +407,7 @@ class Stage3(Stage):
         self.arrivals.reset()
         self.backward_schedule.begin()
         for g in sorted(self.pinned):   # an untracked view of the unit may be read anywhere in this backward
-            self.backward_schedule.acquire(g, held=self.state[g] is not UnitState.FREED)
-            self._wait(g)
+            self._gather_for_backward(g)
 
     @_internal
     def end_backward(self, boundary: bool, failed: bool = False) -> None:

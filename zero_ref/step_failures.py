@@ -121,8 +121,7 @@ def refuse_unless_every_rank_steps(engine: "ZeroEngine", summed: StepStatistics)
     Nothing was updated and the gradients are kept, so step() on every rank then goes on."""
     everyone = engine._ranks_summed
     if 0 < summed.stepping < everyone and summed.discarding:
-        engine.stage.zero_grads()   # as the others did: every rank goes on from the same (empty) step
-        engine.micro_step = 0
+        engine.zero_grad()   # as the others did: every rank goes on from the same (empty) step
         raise ValueError(
             f"engine.step() was called at this step boundary on {int(summed.stepping)} of {everyone} ranks, while "
             f"{int(summed.discarding)} dropped the step (zero_grad(), or load_checkpoint). Nothing was updated on "
