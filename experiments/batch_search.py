@@ -21,8 +21,8 @@ def step_trace(spec: RunSpec, nd: int, batch: int):
     ``batch``, from the model's construction on (alloc_trace.AllocationTrace, marks "step 0".."step
     2"): the same model and engine as a timed run, built on meta tensors as one rank of a fake
     process group (at_scale.fake_world)."""
-    from zero_ref.alloc_trace import record_allocations
-    from zero_ref.at_scale import fake_world
+    from zero_ref.analysis.alloc_trace import record_allocations
+    from zero_ref.analysis.at_scale import fake_world
 
     spec = replace(spec, batch=batch)
     with fake_world(nd * spec.mp), record_allocations({"meta"}) as trace:
@@ -49,9 +49,9 @@ def step_peak_bytes(spec: RunSpec, nd: int, batch: int, steady: bool = True) -> 
 def fits_cuda_budget(spec: RunSpec, nd: int, batch: int, budget_bytes: float) -> bool:
     """Would a CUDA run held to ``budget_bytes`` (set_per_process_memory_fraction caps the bytes
     the caching allocator reserves) get through ``step_trace``? Its allocations, construction
-    included, replayed through the allocator model (zero_ref.caching_allocator: rounding, splitting,
+    included, replayed through the allocator model (zero_ref.analysis.caching_allocator: rounding, splitting,
     caching, release and retry at the cap), which ran out where the allocator would."""
-    from zero_ref import caching_allocator
+    from zero_ref.analysis import caching_allocator
 
     return caching_allocator.fits(step_trace(spec, nd, batch), int(budget_bytes))
 

@@ -31,8 +31,8 @@ import torch.distributed as dist
 import zero_ref
 from experiments.peer_systems import EngineSystem, TorchSystem
 from experiments.scaling_curves import MODELS
-from zero_ref import memory_model
-from zero_ref.collective_count import CountCollectives
+from zero_ref.analysis import memory_model
+from zero_ref.analysis.collective_count import CountCollectives
 from zero_ref.models import lm_loss, token_batches
 
 THRESHOLD = 0.10

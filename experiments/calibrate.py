@@ -1,4 +1,4 @@
-"""The machine at hand, measured for the performance model (zero_ref.perf_model): compute rates, the
+"""The machine at hand, measured for the performance model (zero_ref.analysis.perf_model): compute rates, the
 AdamW rate and the collectives' latency and bandwidth. Nothing here is fitted to the paper.
 
 * **block rates**: forward, and forward + backward, of one GPT-2 block (models.ParallelGPTBlock,
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from zero_ref import perf_model as pm
+from zero_ref.analysis import perf_model as pm
 
 SEQ = 128
 GRID_TOKENS = (128, 256, 512, 1024)
@@ -152,7 +152,7 @@ def stage3_own(group, vocab: int, seq: int = SEQ, shape: dict = OWN_SHAPE, reps:
     minus stage 0's."""
     import zero_ref
     from experiments.bench_kernels import synchronizer
-    from zero_ref.activations import checkpoint_blocks
+    from zero_ref.core.activations import checkpoint_blocks
     from zero_ref.models import ParallelGPT
 
     done = synchronizer(device)
@@ -228,14 +228,14 @@ and regathers (several in flight; the time per call is the burst's over BURST)."
 
 def _time_collectives(rank: int, world: int, sizes, reps: int) -> list[dict]:
     """Each collective timed as it is issued in a step. The engine's own, through its ``Comm``
-    (zero_ref.comm), ``BURST`` calls in flight before the first wait: what a step runs, not a single
+    (zero_ref.core.comm), ``BURST`` calls in flight before the first wait: what a step runs, not a single
     blocking call of the backend's (on gloo the engine's reduce-scatter is an all-to-all and a local
     sum, 1.2-2x faster than gloo's own; a burst pays the per-call latency less than back-to-back
     blocking calls; both measured at 2-4 ranks). The model-parallel layers' all-reduces and gathers
     (``blocking_*``), through torch.distributed, each waited for at once, as tensor_parallel and
     activations issue them. Small messages are timed more often (their times are the noisiest:
     scheduling decides them when ranks share cores)."""
-    from zero_ref.comm import Comm, CommLedger, all_gather_tensor
+    from zero_ref.core.comm import Comm, CommLedger, all_gather_tensor
 
     torch.set_num_threads(1)          # as the timed runs' ranks
     comm = Comm(None, CommLedger(), torch.device("cpu"))

@@ -12,7 +12,7 @@ of n moves 2n, being a reduce-scatter and an all-gather of n each):
 This study trains a small GPT-like model (``zero_ref.models.ParallelGPT`` without model
 parallelism, fp32) with ``zero_ref.initialize`` on real gloo ranks at world sizes 1-4
 (``zero_ref.launch.spawn``), every stage, and counts what one step moves with
-``zero_ref.collective_count.CountCollectives``: a TorchDispatchMode that sees every c10d
+``zero_ref.analysis.collective_count.CountCollectives``: a TorchDispatchMode that sees every c10d
 collective torch.distributed runs, whoever called it. It does not ask the engine (its own ledger,
 ``engine.comm_stats()``, is written beside the count as a cross-check, never used for it). The
 counted step is the second: the first learns the order in which gradients become ready. Forward +
@@ -49,7 +49,7 @@ import pandas as pd
 
 from experiments import markdown
 from experiments.provenance import provenance, study_main
-from zero_ref import memory_model as mm
+from zero_ref.analysis import memory_model as mm
 
 WORLDS = (1, 2, 3, 4)
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "other")
@@ -72,7 +72,7 @@ class Setup:
 def rank_main(rank: int, world: int, setup: Setup, stages: tuple[int, ...]) -> list[dict]:
     """In each rank: for every stage a fresh engine, two steps, the second counted."""
     import zero_ref
-    from zero_ref.collective_count import CountCollectives
+    from zero_ref.analysis.collective_count import CountCollectives
     from zero_ref.models import ParallelGPT, token_batches
 
     rows = []
@@ -149,7 +149,7 @@ def write_report(out: Path, frame: pd.DataFrame, setup: Setup, meta: dict) -> No
         f"Model: `ParallelGPT` {setup.layers} layers × {setup.hidden} (vocab {setup.vocab}, seq {setup.seq}), "
         f"Ψ = {int(frame.psi.iloc[0]):,} trainable elements in {int(frame.tensors.iloc[0])} tensors, fp32, "
         f"global batch {setup.batch}, bucket_numel {setup.bucket_numel:,}. Real gloo ranks on this CPU; each "
-        "rank counts every c10d collective of one step (the second) with `zero_ref.collective_count."
+        "rank counts every c10d collective of one step (the second) with `zero_ref.analysis.collective_count."
         "CountCollectives` (all-reduce of n: 2n; reduce-scatter, all-gather, broadcast of n: n). The engine's "
         "own ledger is not used for the count (`engine_ledger_total` in the CSV is a cross-check: the count "
         f"over several ranks, the formula over one, in {int(frame.ledger_agrees.sum())} of {len(frame)} rows). "

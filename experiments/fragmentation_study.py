@@ -6,7 +6,7 @@ allocator's fragmentation; it chose 15%. Here that share is measured instead, pe
 1. **trace**: one rank of the case's Nd x Nm grid runs two real training steps of the model the
    search found, on meta tensors (experiments/fragmentation_trace.py): the real engine, torch's
    checkpointing with our Pa/Pa+cpu hooks, every storage allocated and freed in order;
-2. **replay** through zero_ref.caching_allocator (PyTorch's CUDA caching-allocator rules): the
+2. **replay** through zero_ref.analysis.caching_allocator (PyTorch's CUDA caching-allocator rules): the
    smallest device that runs the steps, against the bytes they ask for at their peak, gives the
    fragmentation share;
 3. **search again** with the measured share (and trace the new model): the answer beside the
@@ -60,10 +60,10 @@ from experiments.max_model_size import (
 )
 from experiments.paper_values import FIG6_B, NO_MP_B
 from experiments.provenance import ROOT, provenance
-from zero_ref import caching_allocator as ca
-from zero_ref.alloc_trace import AllocationTrace
-from zero_ref.at_scale import ModelShape
-from zero_ref.presets import PAPER_CONFIGS
+from zero_ref.analysis import caching_allocator as ca
+from zero_ref.analysis.alloc_trace import AllocationTrace
+from zero_ref.analysis.at_scale import ModelShape
+from zero_ref.analysis.presets import PAPER_CONFIGS
 
 CHOSEN = 0.15
 """The memory study's chosen fragmentation share, which this study replaces."""

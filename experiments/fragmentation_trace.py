@@ -7,7 +7,7 @@ without MD's arena, activations.py), initialises the real engine over the data-p
 runs `steps` training steps (fp16 activations, the fp32 loss), all under
 alloc_trace.record_allocations. No memory is used and no value computed, but every storage the
 rank would allocate, and when it would free it, is in the trace: the input the caching-allocator
-model (zero_ref.caching_allocator) replays to measure fragmentation.
+model (zero_ref.analysis.caching_allocator) replays to measure fragmentation.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from zero_ref import caching_allocator as ca
-from zero_ref.activations import checkpoint_blocks
-from zero_ref.alloc_trace import AllocationTrace, record_allocations
-from zero_ref.at_scale import ModelShape, fake_world
+from zero_ref.analysis import caching_allocator as ca
+from zero_ref.core.activations import checkpoint_blocks
+from zero_ref.analysis.alloc_trace import AllocationTrace, record_allocations
+from zero_ref.analysis.at_scale import ModelShape, fake_world
 from zero_ref.config import ZeroConfig
-from zero_ref.engine import initialize
+from zero_ref.core.engine import initialize
 
 
 @dataclass(frozen=True)

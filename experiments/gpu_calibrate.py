@@ -96,7 +96,7 @@ def block_issue_times(device, reps: int, tokens: int = 8192, hidden: int = 1024)
     import torch
 
     from experiments import calibrate
-    from zero_ref.activations import checkpoint_blocks
+    from zero_ref.core.activations import checkpoint_blocks
     from zero_ref.models import ParallelGPTBlock
 
     blocks = torch.nn.ModuleList([ParallelGPTBlock(hidden, hidden // 64, None, iter(range(10)))])

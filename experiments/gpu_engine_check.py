@@ -17,7 +17,7 @@ measured, the value, what it must be, pass/fail) with the GPU's name. The checks
 * activation checkpoints: device memory after a forward with plain checkpoints against Pa+cpu (the
   slices in pinned host memory), beside the engine's own report;
 * the caching-allocator model (fragmentation study): the allocator's own memory history of three
-  steps replayed through zero_ref.caching_allocator, its peak of reserved bytes against CUDA's.
+  steps replayed through zero_ref.analysis.caching_allocator, its peak of reserved bytes against CUDA's.
 
 Usage: ``python experiments/gpu_engine_check.py --out results/gpu`` (``--device cpu`` runs the same
 checks on gloo, for trying the script without a GPU; the stream and sync checks are then skipped).
@@ -167,7 +167,7 @@ def _checkpoint_memory(device, row) -> None:
     """Activation checkpoints on the device after one forward (Nm = 1, so Pa keeps the whole input):
     device bytes the allocator holds beyond the model, plain against Pa+cpu (pinned host slices)."""
     import zero_ref
-    from zero_ref.activations import checkpoint_blocks
+    from zero_ref.core.activations import checkpoint_blocks
     from zero_ref.models import ParallelGPT
 
     shape = {"n_layer": 8, "n_embd": 256, "n_head": 8, "vocab_size": 512, "n_positions": 256}
@@ -251,14 +251,14 @@ def _allocation_sites(before: dict, after: dict, top: int = 5) -> str:
 
 
 def _allocator_model(device, row) -> None:
-    """The caching-allocator model (zero_ref.caching_allocator) against CUDA's own allocator: three
+    """The caching-allocator model (zero_ref.analysis.caching_allocator) against CUDA's own allocator: three
     stage-2 steps of a checkpointed model (Pa, with and without MD's arena) recorded by the
     allocator's memory history, the history replayed through the model, the model's peak of
     reserved bytes beside torch.cuda.max_memory_reserved (within 5%)."""
     import zero_ref
-    from zero_ref import caching_allocator as ca
-    from zero_ref.activations import checkpoint_blocks
-    from zero_ref.alloc_trace import AllocationTrace
+    from zero_ref.analysis import caching_allocator as ca
+    from zero_ref.core.activations import checkpoint_blocks
+    from zero_ref.analysis.alloc_trace import AllocationTrace
     from zero_ref.models import ParallelGPT
 
     shape = {"n_layer": 6, "n_embd": 512, "n_head": 8, "vocab_size": 4096, "n_positions": 512}

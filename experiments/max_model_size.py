@@ -44,9 +44,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from zero_ref import memory_model as mm
+from zero_ref.analysis import memory_model as mm
 from experiments.paper_values import NO_MP_B, TABLE2_MEASURED_B, TABLE2_THEORY_B
-from zero_ref.at_scale import ModelShape
+from zero_ref.analysis.at_scale import ModelShape
 
 FAMILY = ((1536, 16), (1600, 16), (1920, 16), (2304, 24), (3072, 24), (4096, 32), (6144, 64), (8192, 64))
 """(hidden, heads) of the paper's GPT-2-like runs (SC20 Table IV and the artifact appendix)."""
@@ -199,7 +199,7 @@ FIG6_FAMILY = ((6144, 64), (8192, 64))
 def fig6_rows(a: Assumptions | None = None) -> list[dict]:
     """The largest model per configuration C1-C5 (Fig 6), our search beside the paper's."""
     from experiments.paper_values import FIG6_B
-    from zero_ref.presets import PAPER_CONFIGS
+    from zero_ref.analysis.presets import PAPER_CONFIGS
 
     a = a or Assumptions()
     rows = []

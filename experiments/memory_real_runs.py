@@ -1,6 +1,6 @@
 """Real training steps at world 2-4 on CPU: predicted against measured per-rank memory.
 
-Each rank trains a GPT-2-like model (``zero_ref.at_scale.GPTLike``, bf16, no activation
+Each rank trains a GPT-2-like model (``zero_ref.analysis.at_scale.GPTLike``, bf16, no activation
 checkpointing) for a few steps under every stage and measures, on its own tensors:
 
 * ``engine``: ``engine.memory_report()`` after the last step (model states, by category);
@@ -50,11 +50,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zero_ref import memory_model as mm
-from zero_ref.at_scale import ModelShape, fake_world
+from zero_ref.analysis import memory_model as mm
+from zero_ref.analysis.at_scale import ModelShape, fake_world
 from zero_ref.config import ZeroConfig
-from zero_ref.partition import pack_into_buckets
-from zero_ref.stage3 import build_units
+from zero_ref.core.partition import pack_into_buckets
+from zero_ref.core.stage3 import build_units
 
 BF16 = 2
 

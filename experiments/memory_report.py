@@ -14,7 +14,7 @@ from experiments import markdown
 from experiments import max_model_size as mms
 from experiments import memory_real_runs as real
 from experiments.paper_values import NO_MP_B, TABLE1_GB, TRILLION_AT_1024_GB
-from zero_ref import memory_model as mm
+from zero_ref.analysis import memory_model as mm
 
 STAGE_ORDER = list(mm.PAPER_NAMES)
 
@@ -227,9 +227,9 @@ def write_report(out: Path, table1: pd.DataFrame, fig1: pd.DataFrame, bench: dic
         f"{hw['cores']} cores ({hw['cpu']}), {hw.get('memory_gb')} GB, torch {hw['torch']}"
         f"{', GPU ' + hw['gpu'] if 'gpu' in hw else ', no GPU'}; quick={meta['quick']}; "
         f"seconds per part: {meta['seconds']}.", "",
-        "How each number was obtained: **analysis** = `zero_ref.memory_model` (the paper's formulas); "
+        "How each number was obtained: **analysis** = `zero_ref.analysis.memory_model` (the paper's formulas); "
         "**engine at scale** = the real `zero_ref.initialize()` on meta tensors as rank 0 of a fake process "
-        "group of Nd ranks (`zero_ref.at_scale`), bytes from `engine.memory_report()` and, independently, "
+        "group of Nd ranks (`zero_ref.analysis.at_scale`), bytes from `engine.memory_report()` and, independently, "
         "torch's `MemTracker`; **search** = the largest model of the paper's GPT-2 family whose per-GPU "
         "memory fits (`experiments/max_model_size.py`); **real run** = gloo ranks on this CPU.", "",
         "## Table 1: model states per device (GB), engine at scale", "",

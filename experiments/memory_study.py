@@ -1,7 +1,7 @@
 """The paper's memory and model-size studies (Table 1, Figure 1, Table 2, Sec 10.4), three ways.
 
-1. **Analysis**: ``zero_ref.memory_model``, the paper's formulas computed exactly.
-2. **The engine at paper scale** (``zero_ref.at_scale``): the real ``initialize()`` for each
+1. **Analysis**: ``zero_ref.analysis.memory_model``, the paper's formulas computed exactly.
+2. **The engine at paper scale** (``zero_ref.analysis.at_scale``): the real ``initialize()`` for each
    stage on meta tensors, as rank 0 of a fake process group of Nd ranks (Nd up to 1024), read by
    the engine's ``memory_report()`` and independently by torch's ``MemTracker``.
 3. **Real runs** (``memory_real_runs``): gloo ranks on this CPU (world 2 and 4) train a small
@@ -34,8 +34,8 @@ from experiments import max_model_size as mms
 from experiments import memory_real_runs as real
 from experiments.paper_values import FIGURE1_GB, TABLE1_GB
 from experiments.provenance import ROOT, provenance, study_main
-from zero_ref import memory_model as mm
-from zero_ref.at_scale import ModelShape, exact_shape, measure_at_scale
+from zero_ref.analysis import memory_model as mm
+from zero_ref.analysis.at_scale import ModelShape, exact_shape, measure_at_scale
 
 TABLE1_SHAPES = {"7.5B": (7_500_000_000, 8000, 64), "128B": (128_000_000_000, 25600, 200),
                  "1T": (10**12, 50000, 400)}
@@ -88,7 +88,7 @@ def figure1(at_scale: pd.DataFrame) -> pd.DataFrame:
 def bench_1t(quick: bool = False) -> dict:
     """The 1T model at Nd = 1024, stage 3, in a fresh process: wall time and peak RSS."""
     psi, hidden, heads = TABLE1_SHAPES["1T"] if quick else BENCH_1T
-    command = [sys.executable, "-m", "zero_ref.at_scale", "--psi", str(psi), "--hidden", str(hidden),
+    command = [sys.executable, "-m", "zero_ref.analysis.at_scale", "--psi", str(psi), "--hidden", str(hidden),
                "--heads", str(heads), "--nd", "1024", "--stage", "3"]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)

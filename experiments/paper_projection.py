@@ -1,7 +1,7 @@
 """The paper's Figures 2, 3, 4 and 8 from the performance model, beside the paper's numbers.
 
 Every run of the paper's appendix (experiments/paper_data/runs.csv: GPUs, MP, layers x hidden,
-heads, batch per GPU, ZeRO config) is predicted by zero_ref.perf_model on ``V100_DGX2`` (the
+heads, batch per GPU, ZeRO config) is predicted by zero_ref.analysis.perf_model on ``V100_DGX2`` (the
 paper's machine from published numbers, each with its source), with the data-parallel traffic
 counted from the real engine at scale (perf_model.dp_traffic: one step on meta tensors as one
 rank of a fake group of Nd ranks). Systems: ZeRO-100B = stage 2 (Pos+g) with the run's C1-C5
@@ -32,9 +32,9 @@ from tqdm import tqdm
 from experiments.fragmentation_trace import TraceCase, trace_steps
 from experiments.max_model_size import Assumptions, Case, per_gpu_bytes
 from experiments.paper_values import paper_runs
-from zero_ref import caching_allocator
-from zero_ref import perf_model as pm
-from zero_ref.at_scale import ModelShape
+from zero_ref.analysis import caching_allocator
+from zero_ref.analysis import perf_model as pm
+from zero_ref.analysis.at_scale import ModelShape
 
 FRAGMENTATION_MEASURED = 0.015
 """The largest allocator fragmentation the fragmentation study measured at the paper's scale (1.5%)."""
@@ -47,7 +47,7 @@ COMPUTE_LIMITED = {"Fig 2": lambda r: r["system"] == "ZeRO" and r["label"] in ("
 
 def system_of(run: dict) -> tuple[int, str]:
     """(stage, checkpoint mode) of a paper run."""
-    from zero_ref.presets import PAPER_CONFIGS
+    from zero_ref.analysis.presets import PAPER_CONFIGS
 
     if run["zero_config"]:
         preset = PAPER_CONFIGS[run["zero_config"]]
@@ -120,7 +120,7 @@ def _pressure(layers: int, hidden: int, heads: int, stage: int, nd: int, nm: int
 def memory_pressure(run: dict) -> dict:
     """The run's memory pressure on a 32 GB V100, measured on its allocation trace: one rank's
     model and engine at the run's Nd x Nm, batch and checkpoints (MD for ZeRO, as the fragmentation
-    study traces them) run two steps on meta tensors, replayed through zero_ref.caching_allocator
+    study traces them) run two steps on meta tensors, replayed through zero_ref.analysis.caching_allocator
     holding ``ALLOCATOR_BYTES`` from the first step on. ``trace_reserved_gb``: what the second
     (steady) step reserves with no limit; ``alloc_retries_per_step``: its requests that found the
     device full and flushed the cache to retry (None: the steps do not fit at all)."""

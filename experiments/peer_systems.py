@@ -33,13 +33,13 @@ What a rank measures (``PeerRank``), the same way for every contender:
 
 * time: each step after a barrier, ``time.perf_counter`` around forward + loss, backward and the
   optimizer step (gradients cleared), on every rank; the driver takes the slowest rank's.
-* elements moved: ``zero_ref.collective_count.CountCollectives``, a TorchDispatchMode that sees
+* elements moved: ``zero_ref.analysis.collective_count.CountCollectives``, a TorchDispatchMode that sees
   every c10d op whoever issued it (DDP's C++ reducer, FSDP2, DeepSpeed's comm layer, zero-ref) and
   counts floating-point elements per rank the paper's way, including the forms only the peers use
   (``reduce`` to one rank: n, a reduce-scatter piece; list and coalesced forms). Counted on one warm-up
   step (a dispatch mode slows every op), never on a timed one.
 * live bytes: every tensor storage the contender allocates from building the model on (before the
-  data, which is made first and not counted) is recorded as in ``zero_ref.alloc_trace`` (a dispatch
+  data, which is made first and not counted) is recorded as in ``zero_ref.analysis.alloc_trace`` (a dispatch
   mode sees each op's output storage, a weak reference its free, ``UntypedStorage.resize_`` is
   patched) until the end of the warm-up; the storage inside a tensor subclass (FSDP2's DTensor) is
   the one counted. Read on the measured warm-up step: at its start (at rest), after backward
@@ -64,8 +64,8 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from zero_ref.alloc_trace import AllocationTrace, _Recorder
-from zero_ref.collective_count import CountCollectives
+from zero_ref.analysis.alloc_trace import AllocationTrace, _Recorder
+from zero_ref.analysis.collective_count import CountCollectives
 from zero_ref.models import lm_loss, tiny_gpt2, token_batches
 
 
@@ -288,7 +288,7 @@ def _inner_tensors(tensor: torch.Tensor):
 
 
 class _LiveRecorder(_Recorder):
-    """zero_ref.alloc_trace's recorder, also seeing the storage inside tensor subclasses."""
+    """zero_ref.analysis.alloc_trace's recorder, also seeing the storage inside tensor subclasses."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

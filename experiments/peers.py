@@ -4,7 +4,7 @@ stages 0-3 on one model, one seed and one data stream, each in its own processes
 The question (the peers issue's goal): per stage, is zero-ref's step time no worse than the best
 peer of that stage in the same run, with exactly the paper's 2/2/2/3Ψ elements moved per step and
 the formula's bytes? Every contender is measured the same way (experiments/peer_systems.py says
-how): time relative to DDP, live bytes per parameter beside ``zero_ref.memory_model``'s
+how): time relative to DDP, live bytes per parameter beside ``zero_ref.analysis.memory_model``'s
 ``model_state_bytes(Ψ, stage, Nd, k=8, param_bytes=4, grad_bytes=4)`` (fp32: 16 B/Ψ unsharded),
 elements moved per parameter beside 2/2/2/3 (counted below every library, at torch's dispatcher),
 and the loss of every step against DDP's (fp32, so the comparison is of the same work: equal to
@@ -52,7 +52,7 @@ from experiments.peer_report import paired, plot, report, time_verdict
 from experiments.peer_runs import groups, repeatable, run_world
 from experiments.peer_systems import CONTENDERS, Setup, deepspeed_config, resolved_settings, versions
 from experiments.provenance import ROOT, provenance
-from zero_ref.memory_model import model_state_bytes
+from zero_ref.analysis.memory_model import model_state_bytes
 
 PAPER_ELEMENTS = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
 """Elements moved per parameter per step, the paper's Sec 7 (baseline, Pos, Pos+g: 2Ψ; Pos+g+p: 3Ψ)."""

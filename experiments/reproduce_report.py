@@ -243,7 +243,7 @@ def write_report(out: Path, sections: list[tuple[str, str, dict]], meta: dict) -
              f"{hw.get('memory_gb')} GB, torch {hw['torch']}{', GPU ' + hw['gpu'] if 'gpu' in hw else ', no GPU'}.", "",
              "The paper (Rajbhandari et al., ZeRO, SC20) ran on up to 400 V100s; this machine has none. Every "
              "number below is obtained one of these ways: **analysis** (the paper's formulas, "
-             "`zero_ref.memory_model`), **engine at scale** (our real `initialize()` for the paper's shapes on "
+             "`zero_ref.analysis.memory_model`), **engine at scale** (our real `initialize()` for the paper's shapes on "
              "meta tensors as one rank of a fake process group of Nd ranks, bytes read from the engine and from "
              "torch's MemTracker), **search** (the largest model that fits, from the per-GPU accounting with "
              "the chosen allowances below), **real run** (gloo ranks on this CPU), **performance model** (a step's "

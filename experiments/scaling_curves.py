@@ -4,7 +4,7 @@ Two sources, one set of plots:
 
 1. **The engine at scale** (measured here). For each model of ``MODELS`` (three Hugging Face
    GPT-2 sizes), each stage 0-3 and Nd = 1, 2, 4, ..., 1024, the real engine runs as rank 0 of a
-   fake process group of Nd ranks (``zero_ref.at_scale.fake_world``) on a model built under
+   fake process group of Nd ranks (``zero_ref.analysis.at_scale.fake_world``) on a model built under
    ``torch.device("meta")``: tensors with shapes and no data, so any Nd costs the same fraction
    of a second. Two training steps are run (forward on ``BATCH_PER_RANK`` x seq tokens,
    ``lm_loss``, ``engine.backward``, ``engine.step``); the second is counted with
@@ -15,7 +15,7 @@ Two sources, one set of plots:
 2. **Real runs** (read, not measured here): the pytest-benchmark JSON of the scaling suite, gloo
    ranks on CPU at Nd 1-4, with step times, DDP's step times and the same byte and element counts.
 
-Beside each measurement, the paper's formulas (``zero_ref.memory_model``):
+Beside each measurement, the paper's formulas (``zero_ref.analysis.memory_model``):
 
 * bytes: ``model_state_bytes(Ψ, stage, Nd, k=8, param_bytes=4, grad_bytes=4)``. In fp32 the
   engine keeps no master copy (the fp32 parameters *are* the master weights, precision.py), so its
@@ -48,11 +48,11 @@ import torch
 from tqdm import tqdm
 
 from experiments.provenance import ROOT, provenance
-from zero_ref import memory_model as mm
-from zero_ref.at_scale import fake_world, padding_bound
-from zero_ref.collective_count import CountCollectives
+from zero_ref.analysis import memory_model as mm
+from zero_ref.analysis.at_scale import fake_world, padding_bound
+from zero_ref.analysis.collective_count import CountCollectives
 from zero_ref.config import ZeroConfig
-from zero_ref.engine import initialize
+from zero_ref.core.engine import initialize
 from zero_ref.models import lm_loss, tiny_gpt2
 
 NDS = tuple(2**i for i in range(11))

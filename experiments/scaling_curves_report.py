@@ -9,7 +9,7 @@ import pandas as pd
 
 from experiments.markdown import table
 from experiments.scaling_curves import BATCH_PER_RANK, MODELS
-from zero_ref import memory_model as mm
+from zero_ref.analysis import memory_model as mm
 
 
 # ------------------------------------------------------------------------------------------ plots

@@ -17,7 +17,7 @@ What is measured, per step, after ``--warmup`` untimed steps (a barrier starts e
 * from ``torch.profiler`` over ``--profile-steps`` more steps (the engine labels its phases, see
   engine.py): forward, backward, optimizer (AdamW) and regather time, and the host's waits on
   collectives inside each phase: reduction wait, gather wait (``profiled_phases``);
-* samples/s and TFLOPS per rank, FLOPs by ``zero_ref.perf_model.training_flops``: Megatron's
+* samples/s and TFLOPS per rank, FLOPs by ``zero_ref.analysis.perf_model.training_flops``: Megatron's
   count, **with checkpoint recomputation counted** when blocks are checkpointed;
 * peak memory: CUDA's ``max_memory_allocated``; on the CPU the peak of every allocation since the
   model's construction in the last warm-up step (alloc_trace's recorder: accounted bytes), and
@@ -52,8 +52,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zero_ref import perf_model
-from zero_ref.presets import PAPER_CONFIGS
+from zero_ref.analysis import perf_model
+from zero_ref.analysis.presets import PAPER_CONFIGS
 
 DTYPES = ("fp32", "bf16", "fp16")
 PHASES = ("forward", "backward", "step")
@@ -130,7 +130,7 @@ def build_engine(spec: RunSpec, device: torch.device):
     the parameter count of this rank's model-parallel slice."""
     import zero_ref
     from torch.distributed.device_mesh import init_device_mesh
-    from zero_ref.activations import checkpoint_blocks
+    from zero_ref.core.activations import checkpoint_blocks
     from zero_ref.models import ParallelGPT
 
     world = dist.get_world_size()
@@ -180,8 +180,8 @@ def profiled_phases(profiler, steps: int) -> dict[str, float]:
 
 def rank_main(rank: int, world_size: int, spec: RunSpec) -> dict:
     """Build, warm up, time, profile and measure one configuration on this rank (every rank)."""
-    from zero_ref.alloc_trace import record_allocations
-    from zero_ref.collective_count import CountCollectives
+    from zero_ref.analysis.alloc_trace import record_allocations
+    from zero_ref.analysis.collective_count import CountCollectives
 
     device = _device()
     spec.check(world_size)

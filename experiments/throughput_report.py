@@ -25,9 +25,9 @@ import seaborn as sns  # noqa: E402
 from experiments import markdown, paper_projection, throughput_study  # noqa: E402
 from experiments.paper_values import paper_runs, rows  # noqa: E402
 from experiments.provenance import ROOT, provenance  # noqa: E402
-from zero_ref import memory_model as mm  # noqa: E402
-from zero_ref import perf_model as pm  # noqa: E402
-from zero_ref.at_scale import ModelShape  # noqa: E402
+from zero_ref.analysis import memory_model as mm  # noqa: E402
+from zero_ref.analysis import perf_model as pm  # noqa: E402
+from zero_ref.analysis.at_scale import ModelShape  # noqa: E402
 
 PAPER = dict(color="black", marker="o", zorder=5, label="paper (read from the figure, ±0.5)")
 
@@ -152,7 +152,7 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
         + (f"; this text and the plots rewritten from that run's CSVs by `{meta['rewritten']['command']}` at git "
            f"`{meta['rewritten']['git_revision']}` on {meta['rewritten']['date_utc']}" if "rewritten" in meta else "")
         + ".", "",
-        "FLOPs are Megatron-LM's count (`zero_ref.perf_model.training_flops`): **checkpoint recomputation "
+        "FLOPs are Megatron-LM's count (`zero_ref.analysis.perf_model.training_flops`): **checkpoint recomputation "
         "is counted** (96·b·s·l·h²·(1 + s/6h + V/16lh)); the paper does not say how it counted.", "",
         "## 1. The model against timed runs on this machine", "",
         "Calibration (measured now, `experiments/calibrate.py`): block and head FLOP rates on a (tokens, hidden) "
@@ -229,7 +229,7 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
         "`trace_reserved_gb` and `alloc_retries_per_step` are that term (`paper_projection.memory_pressure`): one "
         "rank's model and engine at the run's Nd x Nm, batch and checkpoints (MD for ZeRO) run two steps on meta "
         "tensors under the allocation recorder, and the trace is replayed through the caching-allocator model "
-        f"(`zero_ref.caching_allocator`, within 5% of CUDA's own peak on the H200) holding "
+        f"(`zero_ref.analysis.caching_allocator`, within 5% of CUDA's own peak on the H200) holding "
         f"{paper_projection.ALLOCATOR_BYTES / 1e9:.1f} GB, a V100's 32 GiB less the context: the bytes the "
         "steady step reserves, and how many of its requests find the device full, flush the cache and retry "
         "(torch's `num_alloc_retries`; on a GPU each waits for the device). Empty: the steps do not fit.", "",

@@ -9,7 +9,7 @@ scaling reproduced by the mechanism the paper names (Sec 10.3), measured.
 2. **Validation**: timed runs (experiments/throughput.py) of a held-out model (its width and batch
    lie between the calibration grid's points) at world 1-4 and stages 0-3, plus one
    model-parallel run (MP 2, Pa); each phase (forward, backward, step) and the whole step
-   predicted by zero_ref.perf_model from the calibration and the run's own collective counts.
+   predicted by zero_ref.analysis.perf_model from the calibration and the run's own collective counts.
    Goal: every prediction within 15% of the measured median.
 3. **Superlinear scaling at our scale**: a fixed model (stage 2, Pos+g) and a fixed per-rank
    memory budget, the engine's own allocation trace of a steady-state step as the accounting (the
@@ -32,7 +32,7 @@ from experiments import calibrate
 from experiments.batch_search import max_batch, step_peak_bytes
 from experiments.throughput import RunSpec
 from experiments.throughput import main as throughput_main
-from zero_ref import perf_model as pm
+from zero_ref.analysis import perf_model as pm
 
 VOCAB = 4096
 HELD_OUT = RunSpec(layers=6, hidden=320, heads=10, seq=calibrate.SEQ, vocab=VOCAB, batch=3, steps=12, warmup=3,

@@ -21,7 +21,7 @@ What is read from the trace (nothing is timed by hand):
   block's forward recorded; the update, the optimizer's ops between two regathers (stages 1-2);
 * bytes alive on each rank: every allocation and free of the CPU allocator since the model was
   built (the profiler's memory events), summed in order. Beside it `engine.memory_report()`, read
-  between the step's calls, and the paper's model-state formula (zero_ref.memory_model).
+  between the step's calls, and the paper's model-state formula (zero_ref.analysis.memory_model).
 
 `trace(stages)` runs the ranks and returns each stage's raw traces; `rows_of(raw)` turns one rank's
 trace into the step's story (one row per phase, computation, collective and buffer event);
@@ -91,7 +91,7 @@ def trace(stages: tuple[int, ...] = (0, 1, 2, 3), world: int = WORLD) -> list[li
 
 def trace_rank(rank: int, world: int, stages: tuple[int, ...]) -> list[dict]:
     """Every stage's traced step on this rank."""
-    from zero_ref.comm import Comm, CommLedger
+    from zero_ref.core.comm import Comm, CommLedger
 
     torch.set_num_threads(1)
     # the engines' channel groups, made before any profile so that no stage's trace holds their set-up

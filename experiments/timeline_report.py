@@ -16,7 +16,7 @@ import pandas as pd
 from experiments.provenance import provenance
 from experiments.timeline import BLOCK_NUMEL, HIDDEN, ROWS_PER_RANK, UNITS, check, rows_of
 from zero_ref.config import STAGE_NAMES
-from zero_ref.memory_model import comm_volume_elements, model_state_bytes
+from zero_ref.analysis.memory_model import comm_volume_elements, model_state_bytes
 
 MB = 1e6
 FORMULA = {0: "(2+2+K)Ψ", 1: "2Ψ+2Ψ+KΨ/Nd", 2: "2Ψ+(2+K)Ψ/Nd", 3: "(2+2+K)Ψ/Nd"}

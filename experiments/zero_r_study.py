@@ -4,17 +4,17 @@ Two legs, each beside the paper's number:
 
 * **real runs** (gloo ranks on this CPU, Megatron-style model parallelism from
   ``zero_ref.tensor_parallel``, the engine over the data-parallel ranks):
-  - the paper's C1-C5 (``zero_ref.presets``) end to end at MP = 2 and 4 on 4 ranks: bytes per rank
+  - the paper's C1-C5 (``zero_ref.analysis.presets``) end to end at MP = 2 and 4 on 4 ranks: bytes per rank
     by category, and checkpoint bytes after a forward, plain against Pa and Pa+cpu
     (``engine.memory_report()``: live saved inputs, tracked to the moment torch frees them), against
     the expectation L x b x s x h x 4 bytes / Nm;
   - elements moved per transformer block, counted at torch's dispatcher
-    (``zero_ref.collective_count``): Megatron's all-reduces against Pa's all-gather, with torch's
+    (``zero_ref.analysis.collective_count``): Megatron's all-reduces against Pa's all-gather, with torch's
     checkpoint recomputing whole blocks (the paper's count) and with its early stop (the default);
 * **analysis**: Sec 6.1's 100B example (125 layers x 8192, batch 32, seq 1024, MP 16, one
   checkpoint per layer): checkpoint bytes per GPU without Pa, with Pa, with Pa+cpu, at 1 and 2
   bytes per value;
-* **search**: Fig 6, the largest model per configuration C1-C5 (``zero_ref.presets``) at MP 16 on
+* **search**: Fig 6, the largest model per configuration C1-C5 (``zero_ref.analysis.presets``) at MP 16 on
   400 GPUs, from the memory study's per-GPU accounting, at three fragmentation shares.
 
 Writes ``checkpoint_bytes.csv``, ``comm_per_block.csv``, ``sec61_100b.csv``, ``fig6.csv``, ``zero_r.png``, ``fig6.png``,
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from experiments.provenance import ROOT, provenance
-from zero_ref.activations import MODES
+from zero_ref.core.activations import MODES
 
 SHAPE = {"n_layer": 4, "n_embd": 128, "n_head": 8, "vocab_size": 512, "n_positions": 64}
 BATCH, SEQ = 4, 64   # per data-parallel rank
@@ -46,12 +46,12 @@ def _tokens(step: int, batch: int) -> torch.Tensor:
 
 
 def measure_configs(rank: int, world: int, mp: int) -> list[dict]:
-    """Each of the paper's C1-C5 (zero_ref.presets) for two steps on a (dp, mp) mesh: checkpoint
+    """Each of the paper's C1-C5 (zero_ref.analysis.presets) for two steps on a (dp, mp) mesh: checkpoint
     bytes after the first forward, model states by category after the step."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import zero_ref
-    from zero_ref.activations import checkpoint_blocks
+    from zero_ref.core.activations import checkpoint_blocks
     from zero_ref.models import ParallelGPT
 
     mesh = init_device_mesh("cpu", (world // mp, mp), mesh_dim_names=("dp", "mp"))
@@ -85,7 +85,7 @@ def measure_cb(rank: int, world: int) -> list[dict]:
     """Gradient buffer bytes per rank (stage 2, after two steps) with constant-size buckets (CB)
     against one bucket as large as the model (flatten everything), for two model sizes."""
     import zero_ref
-    from zero_ref.at_scale import ModelShape
+    from zero_ref.analysis.at_scale import ModelShape
 
     rows = []
     for layers, hidden in CB_SHAPES:
@@ -106,7 +106,7 @@ def measure_cb(rank: int, world: int) -> list[dict]:
 def cb_analysis() -> pd.DataFrame:
     """Sec 6.2's fused-buffer examples: an fp32 buffer of all gradients (1.5B: 6 GB, 3B: 12 GB)
     against one constant-size buffer of the engine's default 2**22 elements."""
-    from zero_ref import memory_model as mm
+    from zero_ref.analysis import memory_model as mm
 
     return pd.DataFrame([{"psi": psi, "paper_gb": paper, "fused_gb": mm.constant_buffer_bytes(int(psi), 4) / mm.GB,
                           "cb_gb": mm.constant_buffer_bytes(2**22, 4) / mm.GB} for psi, paper in ((1.5e9, 6), (3e9, 12))])
@@ -117,8 +117,8 @@ def count_per_block(rank: int, world: int) -> list[dict]:
     difference between a model of 2 blocks and one of 1 block, counted at the dispatcher."""
     from torch.utils.checkpoint import set_checkpoint_early_stop
 
-    from zero_ref.activations import checkpoint_blocks
-    from zero_ref.collective_count import CountCollectives
+    from zero_ref.core.activations import checkpoint_blocks
+    from zero_ref.analysis.collective_count import CountCollectives
     from zero_ref.models import ParallelGPT
 
     rows = []
@@ -142,7 +142,7 @@ def count_per_block(rank: int, world: int) -> list[dict]:
 def sec61_analysis() -> pd.DataFrame:
     """Sec 6.1: a 100B model (125 x 8192), batch 32, seq 1024, MP 16: checkpoint bytes per GPU."""
     from experiments.paper_values import headline
-    from zero_ref import memory_model as mm
+    from zero_ref.analysis import memory_model as mm
 
     shape = {"hidden": 8192, "batch": 32, "seq": 1024, "layers": 125, "checkpointing": True, "nm": 16}
     plain = "100B model activation checkpoints per GPU at batch 32 seq 1024 MP 16 (one per layer)"
@@ -162,8 +162,8 @@ def fig6() -> pd.DataFrame:
     """Fig 6 by analysis and search: the largest model per C1-C5 at MP 16 on 400 GPUs, at the memory
     study's assumptions, for fragmentation shares 0, 15% (the memory study's choice) and 30%."""
     from experiments.max_model_size import FIG6_GPUS, FIG6_NM, Assumptions, fig6_rows
-    from zero_ref import memory_model as mm
-    from zero_ref.at_scale import ModelShape, measure_at_scale
+    from zero_ref.analysis import memory_model as mm
+    from zero_ref.analysis.at_scale import ModelShape, measure_at_scale
 
     rows = pd.DataFrame([row for fragmentation in (0.0, 0.15, 0.3)
                          for row in fig6_rows(Assumptions(fragmentation=fragmentation))])

@@ -136,6 +136,6 @@ def disagreement_run(rank: int, world_size: int, batches, folder: str) -> dict:
         try:
             load()
             refused.append(None)
-        except zero_ref.checkpoint.CheckpointError as err:
+        except zero_ref.io.checkpoint.CheckpointError as err:
             refused.append(str(err))
     return {"errors": errors, "unchanged": unchanged, "stepped": stepped, "refused": refused}

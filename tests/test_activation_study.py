@@ -1,5 +1,5 @@
 """The activation study (experiments/activation_study.py): the paper's Sec 3.2 / 4.2.1 / 6.1 numbers
-beside zero_ref.memory_model's, each mismatch computed, nothing typed twice. Arithmetic only: fast."""
+beside zero_ref.analysis.memory_model's, each mismatch computed, nothing typed twice. Arithmetic only: fast."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from experiments import activation_study as study
 from experiments.paper_values import headline, number
-from zero_ref import memory_model as mm
+from zero_ref.analysis import memory_model as mm
 
 
 @pytest.fixture(scope="module")

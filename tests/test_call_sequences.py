@@ -41,7 +41,7 @@ def _error(state: dict, reference: dict) -> float:
 def _sequence(rank: int, world: int, make, stage: int, seed: int, folder: str) -> tuple[str, float]:
     """Run one sequence; returns (what was called, one letter a call; the largest error seen)."""
     import zero_ref
-    from zero_ref.manifest import CheckpointError
+    from zero_ref.io.manifest import CheckpointError
 
     # kind 0: plain; 1: two groups, clipping and a LambdaLR; 2: 7-element buckets, overlap off, no prefetch
     accum, kind = 1 + seed % 2, seed % 3

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from awkward import global_batches, zero_phases
-from zero_ref.checkpoint import read_manifest, resolve
+from zero_ref.io.checkpoint import read_manifest, resolve
 from zero_ref.launch import spawn
 
 BATCH, LR = 12, 1e-2
@@ -100,7 +100,7 @@ def test_consolidate_and_hugging_face_round_trip(tmp_path):
 KILLED_SAVE = r"""
 import sys, time, torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
-import zero_ref, zero_ref.checkpoint as ck
+import zero_ref, zero_ref.io.checkpoint as ck
 from zero_ref.launch import init_from_env
 from awkward import AwkwardNet, global_batches, _train_steps
 init_from_env("gloo")
@@ -152,7 +152,7 @@ def _save_refused_somewhere(rank, world_size, folder):
     """save_checkpoint where rank 1 is mid-step, then with another folder on rank 1, then as it should."""
     import zero_ref
     from awkward import AwkwardNet, loss_fn
-    from zero_ref.checkpoint import CheckpointError
+    from zero_ref.io.checkpoint import CheckpointError
 
     (tokens,) = global_batches(1, 1, BATCH)[0]
     part = tokens.chunk(world_size)[rank]
@@ -359,7 +359,7 @@ def test_scheduler_state_encoding_round_trips_exact_types():
     import math
     from collections import Counter
 
-    from zero_ref.manifest import CheckpointError, from_json, to_json
+    from zero_ref.io.manifest import CheckpointError, from_json, to_json
 
     state = {"milestones": Counter({30: 1, 80: 2}), "by_step": {0: 1.5, 2: (1, 2.0)}, "betas": (0.9, 0.99),
              "best": float("inf"), "worst": -float("inf"), "nan": float("nan"), "plain": [1, "a", None, True, 0.1],

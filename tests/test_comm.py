@@ -14,8 +14,8 @@ SIZES = (1, 1001)   # elements per rank's chunk
 def reduce_scatter_three_ways(rank: int, world: int, dtype: torch.dtype) -> list:
     import torch.distributed as dist
 
-    from zero_ref.collective_count import CountCollectives
-    from zero_ref.comm import Comm, CommLedger, _reduce_scatter
+    from zero_ref.analysis.collective_count import CountCollectives
+    from zero_ref.core.comm import Comm, CommLedger, _reduce_scatter
 
     out = []
     for chunk in SIZES:
@@ -61,8 +61,8 @@ def test_gloo_reduce_scatter_by_all_to_all_matches_torch(world, dtype):
 
 
 def one_rank_collectives(rank: int, world: int) -> dict:
-    from zero_ref.collective_count import CountCollectives
-    from zero_ref.comm import Comm, CommLedger
+    from zero_ref.analysis.collective_count import CountCollectives
+    from zero_ref.core.comm import Comm, CommLedger
 
     comm = Comm(None, CommLedger(), torch.device("cpu"))
     full = torch.randn(1001)
@@ -92,8 +92,8 @@ def test_collectives_over_one_rank_are_local_copies():
 
 
 def receive_buffers_left(rank: int, world: int) -> list[int]:
-    from zero_ref.alloc_trace import record_allocations
-    from zero_ref.comm import Comm, CommLedger
+    from zero_ref.analysis.alloc_trace import record_allocations
+    from zero_ref.core.comm import Comm, CommLedger
 
     comm = Comm(None, CommLedger(), torch.device("cpu"))
     full = torch.randn(world * 65536)
@@ -118,7 +118,7 @@ def test_gloo_reduce_scatter_frees_its_receive_buffer_on_return():
 
 
 def fp16_averages(rank: int, world: int) -> list[list[float]]:
-    from zero_ref.comm import Comm, CommLedger
+    from zero_ref.core.comm import Comm, CommLedger
 
     comm = Comm(None, CommLedger(), torch.device("cpu"))
     grads = torch.full((4 * world,), 40000.0, dtype=torch.float16)   # fits fp16; twice it does not

@@ -7,9 +7,9 @@ import pytest
 
 from awkward import AwkwardNet, global_batches, loss_fn
 from scenarios import cfg, local
-from zero_ref.collective_count import CountCollectives
+from zero_ref.analysis.collective_count import CountCollectives
 from zero_ref.launch import spawn
-from zero_ref.param_groups import AGREEMENT_SLOTS
+from zero_ref.core.param_groups import AGREEMENT_SLOTS
 
 
 def count_steps(rank: int, world: int) -> dict:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from zero_ref import caching_allocator as ca
-from zero_ref.alloc_trace import AllocationTrace, record_allocations
+from zero_ref.analysis import caching_allocator as ca
+from zero_ref.analysis.alloc_trace import AllocationTrace, record_allocations
 
 MiB = ca.MiB
 
@@ -116,8 +116,8 @@ def test_recorder_agrees_with_memtracker_on_engine_steps_at_scale():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from zero_ref import ZeroConfig, initialize
-    from zero_ref.activations import checkpoint_blocks
-    from zero_ref.at_scale import ModelShape, fake_world
+    from zero_ref.core.activations import checkpoint_blocks
+    from zero_ref.analysis.at_scale import ModelShape, fake_world
 
     meta = torch.device("meta")
     for stage in (2, 3):
@@ -151,7 +151,7 @@ def test_cuda_snapshot_trace():
 
 # --------------------------------------------------------------------------- the checkpoint arena
 def _model(contiguous: bool, mode: str = "plain"):
-    from zero_ref.activations import checkpoint_blocks
+    from zero_ref.core.activations import checkpoint_blocks
     from zero_ref.models import ParallelGPT
 
     model = ParallelGPT(n_layer=3, n_embd=32, n_head=4, vocab_size=64, n_positions=16)

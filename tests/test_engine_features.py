@@ -213,7 +213,7 @@ def test_nonfinite_on_one_rank_is_handled_on_every_rank(runs):
 
 
 def test_fp32_reductions(runs):
-    from zero_ref.memory_model import model_state_bytes
+    from zero_ref.analysis.memory_model import model_state_bytes
 
     psi = sum(p.numel() for p in AwkwardNet().parameters() if p.requires_grad)
     for rank_out in runs:

@@ -33,7 +33,7 @@ def hardening(rank: int, world: int, folder: str) -> dict:
 
     import zero_ref
     from awkward import AwkwardNet, global_batches, loss_fn
-    from zero_ref.checkpoint import CheckpointError
+    from zero_ref.io.checkpoint import CheckpointError
 
     batches = token_batches(STEPS, BATCH)
     out = {}

@@ -17,8 +17,8 @@ from torch import nn
 
 import zero_ref
 from awkward import AwkwardNet, global_batches, loss_fn, reference_train
-from zero_ref.checkpoint import CheckpointError, consolidate
-from zero_ref.manifest import seal
+from zero_ref.io.checkpoint import CheckpointError, consolidate
+from zero_ref.io.manifest import seal
 from zero_ref.launch import free_port, spawn
 
 TIMEOUT_S = 4.0

@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from zero_ref.in_flight import Pending, SideStream
-from zero_ref.grad_buffers import ShardedGradBuckets
-from zero_ref.partition import make_group
+from zero_ref.core.in_flight import Pending, SideStream
+from zero_ref.core.grad_buffers import ShardedGradBuckets
+from zero_ref.core.partition import make_group
 
 
 class _SlowWork:

@@ -258,7 +258,7 @@ def _all_cases(rank: int, world: int, folder: str) -> dict:
             for w in sorted(SAVE):
                 results[("consolidated", arch, w)] = _consolidate(ckpt(arch, w), f"{folder}/out-{arch}-w{w}", arch)
     if rank == 1:   # elsewhere the Hugging Face export must refuse, not leave an empty folder
-        from zero_ref.checkpoint import CheckpointError, consolidate
+        from zero_ref.io.checkpoint import CheckpointError, consolidate
         try:
             consolidate(ckpt(ARCHS[0], 3), f"{folder}/out-rank1")
             results[("rank1_consolidate",)] = None

@@ -1,4 +1,4 @@
-"""Checks of zero_ref.memory_model against every number the paper prints for it.
+"""Checks of zero_ref.analysis.memory_model against every number the paper prints for it.
 
 The paper's tables are read from experiments/paper_data/ (part of the repository, so nothing
 here skips on a fresh clone); the other tests carry their paper numbers inline.
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_ref import memory_model as mm
-from zero_ref.memory_model import GB, Stage
+from zero_ref.analysis import memory_model as mm
+from zero_ref.analysis.memory_model import GB, Stage
 
 PAPER = Path(__file__).resolve().parents[1] / "experiments" / "paper_data"
 

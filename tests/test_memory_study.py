@@ -17,8 +17,8 @@ import pytest
 from experiments import max_model_size as mms
 from experiments import paper_values as pv
 from experiments.memory_real_runs import RealRun, one_rank_of, predict
-from zero_ref import memory_model as mm
-from zero_ref.at_scale import ModelShape, exact_shape, measure_at_scale
+from zero_ref.analysis import memory_model as mm
+from zero_ref.analysis.at_scale import ModelShape, exact_shape, measure_at_scale
 
 PAPER = Path(__file__).resolve().parents[1] / "experiments" / "paper_data"
 

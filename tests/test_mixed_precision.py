@@ -6,7 +6,7 @@ import torch
 
 from awkward import AwkwardNet, global_batches, zero_fp16_overflow, zero_train
 from zero_ref.launch import spawn
-from zero_ref.memory_model import model_state_bytes
+from zero_ref.analysis.memory_model import model_state_bytes
 
 STEPS, BATCH, LR = 10, 12, 1e-2
 # Documented tolerances: the mean loss of a low-precision run stays within this relative

@@ -76,7 +76,7 @@ def _unwrap(name: str) -> str:
 
 def mp_engine(stage: int, mode, mesh):
     import zero_ref
-    from zero_ref.activations import checkpoint_blocks
+    from zero_ref.core.activations import checkpoint_blocks
     from zero_ref.models import ParallelGPT
 
     model = ParallelGPT(**SHAPE, group=mesh.get_group("mp"))
@@ -92,7 +92,7 @@ def run_steps(engine, dp, steps):
     """Train on `steps` of the global batches; the global mean loss of each step and the memory
     report taken after the first forward (checkpoints alive), with the MD arena's buffers made
     and misses so far when there is one."""
-    from zero_ref.activations import model_checkpoints
+    from zero_ref.core.activations import model_checkpoints
 
     losses, reports = [], []
     for tokens in steps:
@@ -271,7 +271,7 @@ def test_pa_moves_one_twelfth_of_megatron_per_block():
 
 
 def test_bad_layouts_are_refused_with_the_reason():
-    from zero_ref.activations import checkpoint_blocks
+    from zero_ref.core.activations import checkpoint_blocks
     from zero_ref.models import ParallelGPT
 
     with pytest.raises(ValueError, match="mode = 'pa-cpu' is not allowed.*'pa_cpu'"):

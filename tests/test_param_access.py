@@ -70,7 +70,7 @@ def _reference(batches, world: int) -> dict:
 
 def _ranks(rank: int, world: int) -> dict:
     import zero_ref
-    from zero_ref.sharded_param import FreedParameterError
+    from zero_ref.guard.sharded_param import FreedParameterError
 
     out = {}
     for stage in range(4):
@@ -322,7 +322,7 @@ def test_the_value_digest_takes_any_dtype_and_tells_other_values_apart():
     """The digest ranks compare (load_state_dict's values, parameters written in place): bool and
     integer buffers included, a change of one element anywhere is another value, a sum in another
     order is not."""
-    from zero_ref.same_everywhere import ranks_with_other_values, value_digest
+    from zero_ref.guard.same_everywhere import ranks_with_other_values, value_digest
 
     torch.manual_seed(0)
     values = [torch.tensor([True, False, True]), torch.arange(5), torch.randn(7).bfloat16(), torch.zeros(0),
@@ -341,7 +341,7 @@ def test_the_value_digest_holds_nan_and_inf_the_same_on_every_rank():
     """NaN equals nothing, not even itself: the same NaN or inf on every rank is still the same
     value (it used to read as ranks disagreeing), while a NaN or inf in another place or a finite
     element beside one that differs is another value."""
-    from zero_ref.same_everywhere import ranks_with_other_values, value_digest
+    from zero_ref.guard.same_everywhere import ranks_with_other_values, value_digest
 
     nan, inf = float("nan"), float("inf")
     values = [torch.tensor([nan, 1.0, inf]), torch.tensor([-inf, 2.0]).bfloat16()]

@@ -12,7 +12,7 @@ import zero_ref
 from awkward import AwkwardNet, global_batches
 from schedules import LR, SAVE_AT, STEPS, disagreement_run, engine_run, groups_of, reference
 from zero_ref.launch import spawn
-from zero_ref.manifest import CheckpointError
+from zero_ref.io.manifest import CheckpointError
 
 TOL = 1e-5   # fp32 round-off of sharded sums over 12 steps, as in test_engine_exact
 
@@ -133,7 +133,7 @@ def test_bad_groups_are_refused_with_the_reason(world1):
 def test_a_failure_at_any_micro_batch_reads_as_a_failure():
     """The failure slot holds four bits: micro-batch 16 (or 30, 45...) of a long accumulation must
     not wrap to 0, which means no failure, and must stay within the slot so the sums stay exact."""
-    from zero_ref.param_groups import FINGERPRINT_PARTS, agreement_stats
+    from zero_ref.core.param_groups import FINGERPRINT_PARTS, agreement_stats
 
     slot = 1 + FINGERPRINT_PARTS
     for failed_at in range(1, 100):
@@ -222,7 +222,7 @@ def test_edits_the_update_would_ignore_are_refused_on_every_rank():
 def test_the_adamw_options_refused_are_all_that_change_torchs_update():
     """ADAMW_FIXED holds every torch.optim.AdamW option beyond lr, betas, eps and weight_decay, at
     torch's default, but those that choose how torch computes: a new one in torch shows here."""
-    from zero_ref.param_groups import ADAMW_FIXED, HYPER_KEYS
+    from zero_ref.core.param_groups import ADAMW_FIXED, HYPER_KEYS
 
     defaults = torch.optim.AdamW([nn.Parameter(torch.zeros(1))]).defaults
     how = ("foreach", "fused", "capturable", "differentiable")

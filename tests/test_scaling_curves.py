@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from experiments import scaling_curves as sc
-from zero_ref import memory_model as mm
+from zero_ref.analysis import memory_model as mm
 
 S = sc.MODELS["S"]
 PSI = mm.gpt2_like_params(S.layers, S.hidden, vocab=S.vocab, seq=S.seq)   # 937,472: the tied head counted once

@@ -346,7 +346,7 @@ def check_dry_run(proc: subprocess.CompletedProcess, records: list[dict], path: 
     """Every srun launched one run of ``figure`` of runs.csv, on its GPU count, and its dry run
     exited 0; every run was launched exactly once."""
     from experiments import throughput
-    from zero_ref.presets import PAPER_CONFIGS
+    from zero_ref.analysis.presets import PAPER_CONFIGS
 
     log = f"\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, f"{path.name} exited {proc.returncode}{log}"

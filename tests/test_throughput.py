@@ -14,8 +14,8 @@ import torch
 from experiments import batch_search, calibrate, paper_projection
 from experiments import throughput as tp
 from experiments.paper_values import paper_runs
-from zero_ref import perf_model as pm
-from zero_ref.at_scale import ModelShape
+from zero_ref.analysis import perf_model as pm
+from zero_ref.analysis.at_scale import ModelShape
 
 
 # --------------------------------------------------------------------------------- the model alone

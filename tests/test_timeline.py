@@ -20,7 +20,7 @@ import pytest
 
 from experiments.timeline import check
 from zero_ref import cli
-from zero_ref.labels import label
+from zero_ref.core.labels import label
 
 pytestmark = pytest.mark.timeout(240)
 

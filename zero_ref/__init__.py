@@ -7,9 +7,9 @@
 """
 
 from .config import ZeroConfig
-from .engine import ZeroEngine, initialize
-from .presets import PAPER_CONFIGS, PaperConfig
-from .sharded_param import FreedParameterError
+from .core.engine import ZeroEngine, initialize
+from .analysis.presets import PAPER_CONFIGS, PaperConfig
+from .guard.sharded_param import FreedParameterError
 
 __all__ = ["FreedParameterError", "PAPER_CONFIGS", "PaperConfig", "ZeroConfig", "ZeroEngine", "initialize"]
 __version__ = "0.1.0"

@@ -26,10 +26,10 @@ from torch import nn
 import triton_kernels
 
 from .comm import Comm
-from .config import ZeroConfig
+from ..config import ZeroConfig
 from .optim import ShardedAdamW
 from .partition import FlatGroup
-from .same_everywhere import value_digest
+from ..guard.same_everywhere import value_digest
 
 BARE_BACKWARD = ("a backward pass reached zero-ref's gradient hooks outside engine.backward(loss): call "
                  "engine.backward(loss) instead of loss.backward() (it applies the fp16 loss scale and "

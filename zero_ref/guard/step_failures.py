@@ -44,11 +44,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .grad_stats import StepStatistics
-from .in_flight import CollectiveError
+from ..core.grad_stats import StepStatistics
+from ..core.in_flight import CollectiveError
 
 if TYPE_CHECKING:
-    from .engine import ZeroEngine
+    from ..core.engine import ZeroEngine
 
 
 def forward_raised(engine: "ZeroEngine") -> None:

@@ -367,8 +367,8 @@ def _one_step_counts(shape, stage: int, nd: int, nm: int, batch: int, bucket_num
 
     from .at_scale import fake_world
     from .collective_count import CountCollectives
-    from .config import ZeroConfig
-    from .engine import initialize
+    from ..config import ZeroConfig
+    from ..core.engine import initialize
 
     with fake_world(nd * nm):
         dp_group = dist.new_group(list(range(0, nd * nm, nm)))

@@ -66,7 +66,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .collective_count import counted_as
+from ..analysis.collective_count import counted_as
 from .in_flight import CollectiveError, DoneLocally, Pending, SideStream
 from .labels import label
 

@@ -21,9 +21,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .comm import Comm
-from .config import ZeroConfig
-from .param_groups import HYPER_KEYS
+from ..core.comm import Comm
+from ..config import ZeroConfig
+from ..core.param_groups import HYPER_KEYS
 from .refusals import gather_refusals, raise_refusals
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ZeroConfig
+from ..config import ZeroConfig
 
 
 @dataclass(frozen=True)

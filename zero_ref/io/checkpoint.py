@@ -45,8 +45,8 @@ from safetensors.torch import save_file
 from .manifest import (STATE_KINDS, CheckpointError, build_manifest, canonical_names, check_groups_match,
                        check_matches_model, restore_groups, training_state,
                        persistent_buffers, piece_index, read_manifest, seal)
-from .precision import LossScaler
-from .refusals import gather_refusals, refuse_together
+from ..core.precision import LossScaler
+from ..guard.refusals import gather_refusals, refuse_together
 from .state_dict import write_model_state
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "resolve", "read_manifest"]

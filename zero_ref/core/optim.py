@@ -33,7 +33,7 @@ import torch
 
 import triton_kernels
 
-from .config import ZeroConfig
+from ..config import ZeroConfig
 
 
 class ShardedAdamW:

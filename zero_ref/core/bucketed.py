@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .comm import Comm
-from .config import ZeroConfig
+from ..config import ZeroConfig
 from .grad_hooks import register_grad_hooks
 from .labels import label
 from .partition import GroupLayout, move_state, pack_into_buckets

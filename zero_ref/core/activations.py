@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .comm import all_gather_tensor
 from .in_flight import SideStream
-from .tensor_parallel import group_rank, group_size
+from ..tensor_parallel import group_rank, group_size
 
 MODES = ("plain", "pa", "pa_cpu")
 

@@ -43,16 +43,16 @@ import torch
 from torch import nn
 
 from .comm import Comm
-from .config import ZeroConfig
+from ..config import ZeroConfig
 from .gather_schedule import GatherSchedule
 from .grad_buffers import ShardedGradBuckets
 from .grad_hooks import GroupArrivals, register_grad_hooks
 from .in_flight import SideStream
 from .labels import label
 from .partition import GroupLayout, bind_params_to, copy_params_into, make_group
-from .sharded_param import mark_sharded
+from ..guard.sharded_param import mark_sharded
 from .stage_base import Stage
-from .unit_reads import ExternalUseWatcher, output_tensors, run_autograd
+from ..guard.unit_reads import ExternalUseWatcher, output_tensors, run_autograd
 
 
 def build_units(model: nn.Module, trainable: list[nn.Parameter], unit_numel: int

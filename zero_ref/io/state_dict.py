@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 
 from .manifest import persistent_buffers
-from .refusals import refuse_together
-from .same_everywhere import ranks_with_other_values, value_digest
+from ..guard.refusals import refuse_together
+from ..guard.same_everywhere import ranks_with_other_values, value_digest
 
 
 def names_by_param(module: torch.nn.Module) -> dict[int, list[str]]:

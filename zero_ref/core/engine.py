@@ -79,16 +79,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import activations, checkpoint, materialize, ownership, param_writes, step_failures
-from . import state_dict as state_dict_io
+from . import activations
+
+from ..io import checkpoint
+
+from .. import materialize
+
+from ..guard import ownership, param_writes, step_failures
+from ..io import state_dict as state_dict_io
 from .comm import Comm, CommLedger
-from .config import ZeroConfig
+from ..config import ZeroConfig
 from .grad_stats import GradStats, StepStatistics, detached_message
 from .in_flight import CollectiveError
 from .labels import label
 from .param_groups import ZeroOptimizer, build_groups
 from .precision import LossScaler
-from .same_everywhere import check_same_everywhere
+from ..guard.same_everywhere import check_same_everywhere
 from .stage0 import Stage0
 from .stage1 import Stage1
 from .stage2 import Stage2

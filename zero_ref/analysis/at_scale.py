@@ -32,7 +32,7 @@ ZeRO-DP. At ``mp=1`` the model is also a real, trainable language model (used by
 
 Command line (the benchmark of the memory study runs it in a fresh process to measure RSS)::
 
-    python -m zero_ref.at_scale --psi 1e12 --hidden 25600 --heads 200 --nd 1024 --stage 3
+    python -m zero_ref.analysis.at_scale --psi 1e12 --hidden 25600 --heads 200 --nd 1024 --stage 3
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from . import memory_model as mm
-from .config import ZeroConfig
-from .engine import initialize
+from ..config import ZeroConfig
+from ..core.engine import initialize
 
 
 # --------------------------------------------------------------------------------------- the model

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .config import DTYPES
-from .param_groups import check_hyper
+from ..config import DTYPES
+from ..core.param_groups import check_hyper
 
 FORMAT_VERSION = 2
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .comm import Comm
+from ..core.comm import Comm
 
 
 def gather_refusals(comm: Comm, refusal: Exception | None, payload: Any = None) -> tuple[list[str | None], list]:

@@ -27,7 +27,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from . import tensor_parallel
+from .. import tensor_parallel
 from .param_groups import agreement, agreement_stats, failure_disagreement
 
 
