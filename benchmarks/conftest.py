@@ -1,6 +1,6 @@
 """Options and fixtures of the scaling regression suite (see test_scaling.py).
 
-    pytest benchmarks/ --benchmark-only                       # S, M, L x Nd 1, 2, 4 x stages 0-3
+    pytest benchmarks/ --benchmark-only                       # S, M, L x Nd 1, 2, 4 x stages 0-3 x checks
     pytest benchmarks/ --benchmark-only --bench-smoke         # S at Nd 2, 3 rounds: seconds, for CI
     pytest benchmarks/ --benchmark-only --bench-models M --bench-worlds 2 --bench-rounds 20
 
@@ -29,6 +29,8 @@ def pytest_addoption(parser):
                     help="GPT-2 sizes to measure (default: S M L)")
     group.addoption("--bench-worlds", nargs="+", type=int, default=None, help="world sizes Nd (default: 1 2 4)")
     group.addoption("--bench-stages", nargs="+", type=int, choices=[0, 1, 2, 3], default=[0, 1, 2, 3])
+    group.addoption("--bench-checks", nargs="+", choices=["strict", "off"], default=["strict", "off"],
+                    help="ZeroConfig.checks settings measured for each stage (default: both)")
     group.addoption("--bench-rounds", type=int, default=None, help="timed rounds per benchmark (default 12)")
     group.addoption("--bench-warmup", type=int, default=None, help="untimed rounds first (default 2)")
     group.addoption("--bench-smoke", action="store_true",
@@ -59,16 +61,18 @@ def pytest_generate_tests(metafunc):
                 raise pytest.UsageError(f"--bench-worlds must be positive integers, got {world}")
         metafunc.parametrize("bench_pool", cases, indirect=True, scope="module",
                              ids=[f"{m}-nd{w}" for m, w in cases])
-    if "stage" in metafunc.fixturenames:
-        stages = config.getoption("--bench-stages")
-        metafunc.parametrize("stage", stages, ids=[f"stage{s}" for s in stages])
+    if "stage" in metafunc.fixturenames:   # (stage, checks); strict keeps the ids of baselines before checks existed
+        variants = [(s, c) for s in config.getoption("--bench-stages") for c in config.getoption("--bench-checks")]
+        metafunc.parametrize("stage", variants, ids=[f"stage{s}" + ("" if c == "strict" else f"-{c}")
+                                                     for s, c in variants])
 
 
 @pytest.fixture(scope="module")
 def bench_pool(request):
     """The ranks of one (model, Nd): DDP and every stage under test, alive for all its benchmarks."""
     model, world = request.param
-    spec = BenchSpec(model=model, stages=tuple(request.config.getoption("--bench-stages")))
+    spec = BenchSpec(model=model, stages=tuple(request.config.getoption("--bench-stages")),
+                     checks=tuple(request.config.getoption("--bench-checks")))
     with RankPool(world, _factory(), spec, timeout_s=1800) as pool:
         yield pool, spec
 

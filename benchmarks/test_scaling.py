@@ -11,7 +11,7 @@ regressed beyond both runs' noise by more than ``--gate-threshold``, or when byt
 changed at all.
 """
 
-from experiments.bench_scaling import FIRST_STEPS, PairedRounds, gate, record
+from experiments.bench_scaling import FIRST_STEPS, PairedRounds, gate, record, system_name
 
 LOSS_TOLERANCE = 1e-5
 """fp32: in its first FIRST_STEPS steps every stage must train as DDP does, to round-off
@@ -20,15 +20,16 @@ LOSS_TOLERANCE = 1e-5
 
 def test_step(benchmark, bench_pool, stage, rounds, baseline, request):
     pool, spec = bench_pool
+    stage, checks = stage
     timed, warmup = rounds
-    paired = PairedRounds(pool, f"zero-{stage}")
+    paired = PairedRounds(pool, system_name(stage, checks))
     benchmark.group = f"GPT-2 {spec.model}, Nd={pool.world_size}"
     if benchmark.disabled:                    # --benchmark-disable: run the rounds, no stats kept
         paired.run(warmup + timed)
     else:
         benchmark.pedantic(paired.step, setup=paired.before, teardown=paired.after,
                            rounds=timed, warmup_rounds=warmup)
-    info = record(pool, spec, stage, paired, warmup)
+    info = record(pool, spec, stage, paired, warmup, checks)
     benchmark.extra_info.update(info)
     assert info["loss_diff_first_steps"] <= LOSS_TOLERANCE, (
         f"stage {stage} trained differently from DDP: max |loss difference| over the first {FIRST_STEPS} steps "

@@ -39,7 +39,7 @@ def pytest_args(args, out: Path) -> list[str]:
     cmd = [str(ROOT / "benchmarks"), "--benchmark-only", "-q", "-p", "no:cacheprovider",
            f"--benchmark-storage=file://{out}", f"--benchmark-json={out / 'run.json'}",
            f"--gate-threshold={args.threshold}", "--benchmark-columns=min,median,max,rounds"]
-    for flag in ("models", "worlds", "stages"):
+    for flag in ("models", "worlds", "stages", "checks"):
         if getattr(args, flag):
             cmd += [f"--bench-{flag}", *map(str, getattr(args, flag))]
     for flag in ("rounds", "warmup"):
@@ -69,6 +69,7 @@ def report(out: Path, run: Path, baseline: Path | None, threshold: float) -> Pat
         failures = gate(ref, info, threshold) if ref else None
         rows.append({
             "model": info["model"], "Ψ": f"{info['psi']:,}", "Nd": info["world_size"], "stage": info["stage"],
+            "checks": info.get("checks", "strict"),
             "step (ms)": f"{info['step_s']['median'] * 1e3:.0f}", "DDP (ms)": f"{info['ddp_step_s']['median'] * 1e3:.0f}",
             "ratio to DDP [95% CI]": f"{ratio['median']:.3f} [{ratio['ci_low']:.3f}, {ratio['ci_high']:.3f}]",
             "baseline ratio [95% CI]": (f"{ref['ratio_to_ddp']['median']:.3f} [{ref['ratio_to_ddp']['ci_low']:.3f}, "
@@ -105,13 +106,15 @@ def run_study(out: Path, quick: bool, quiet: bool) -> dict:
     code = main(["--out", str(out)] + (["--smoke"] if quick else []))
     runs = [b["extra_info"] for b in json.loads((out / "run.json").read_text())["benchmarks"]]
     headline = []
-    for stage in sorted({r["stage"] for r in runs}):
-        mine = sorted((r for r in runs if r["stage"] == stage and r["model"] == "M"), key=lambda r: r["world_size"])
+    for stage, checks in sorted({(r["stage"], r.get("checks", "strict")) for r in runs}):
+        same = [r for r in runs if r["stage"] == stage and r.get("checks", "strict") == checks]
+        mine = sorted((r for r in same if r["model"] == "M"), key=lambda r: r["world_size"])
         if not mine:
             continue
-        multi = [r for r in runs if r["stage"] == stage and r["world_size"] > 1]
+        multi = [r for r in same if r["world_size"] > 1]
         headline.append({
-            "item": f"stage {stage}: step time vs DDP (GPT-2 M, fp32), Nd = {', '.join(str(r['world_size']) for r in mine)}",
+            "item": f"stage {stage}, checks={checks}: step time vs DDP (GPT-2 M, fp32), "
+                    f"Nd = {', '.join(str(r['world_size']) for r in mine)}",
             "paper": f"{'3' if stage == 3 else '2'}Ψ moved per step (Sec 7); no step time given",
             "ours": ", ".join(f"{r['ratio_to_ddp']['median']:.2f}x" for r in mine)
                     + (f"; elements/Ψ {min(r['elements_over_psi'] for r in multi):.4f}-"
@@ -132,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", choices=["S", "M", "L"], help="GPT-2 sizes (default: S M L)")
     parser.add_argument("--worlds", nargs="+", type=int, help="world sizes (default: 1 2 4)")
     parser.add_argument("--stages", nargs="+", type=int, choices=[0, 1, 2, 3], help="stages (default: 0-3)")
+    parser.add_argument("--checks", nargs="+", choices=["strict", "off"],
+                        help="ZeroConfig.checks settings per stage (default: strict and off)")
     parser.add_argument("--rounds", type=int, help="timed rounds per benchmark (default 12)")
     parser.add_argument("--warmup", type=int, help="untimed rounds first (default 2)")
     parser.add_argument("--smoke", action="store_true", help="a check in seconds: S, Nd 2, 3 rounds")

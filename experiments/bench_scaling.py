@@ -50,6 +50,8 @@ class BenchSpec:
 
     model: str = "M"
     stages: tuple[int, ...] = (0, 1, 2, 3)
+    checks: tuple[str, ...] = ("strict",)
+    """ZeroConfig.checks settings measured for each stage (system_name)"""
     batch_per_rank: int = 4
     lr: float = 1e-3
     weight_decay: float = 0.01
@@ -62,6 +64,13 @@ class BenchSpec:
             raise ValueError(f"BenchSpec.model must be one of {sorted(MODELS)}, got {self.model!r}")
         if not self.stages or any(s not in (0, 1, 2, 3) for s in self.stages):
             raise ValueError(f"BenchSpec.stages must be a non-empty subset of 0-3, got {self.stages!r}")
+        if not self.checks or any(c not in ("strict", "off") for c in self.checks):
+            raise ValueError(f"BenchSpec.checks must be a non-empty subset of ('strict', 'off'), got {self.checks!r}")
+
+
+def system_name(stage: int, checks: str = "strict") -> str:
+    """The name of zero-ref at `stage` with `checks` among a rank's systems: "zero-3", "zero-3-off"."""
+    return f"zero-{stage}" + ("" if checks == "strict" else f"-{checks}")
 
 
 # ------------------------------------------------------------------------------- in every rank
@@ -79,8 +88,10 @@ class BenchRank:
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, foreach=True)
         self.systems = {"ddp": TorchSystem(ddp, optimizer)}
         for stage in spec.stages:       # the sweep's configuration, with the suite's optimizer settings
-            config = replace(model.config(stage), lr=spec.lr, weight_decay=spec.weight_decay)
-            self.systems[f"zero-{stage}"] = EngineSystem(zero_ref.initialize(model.build(spec.seed), config))
+            for checks in spec.checks:
+                config = replace(model.config(stage), lr=spec.lr, weight_decay=spec.weight_decay, checks=checks)
+                self.systems[system_name(stage, checks)] = EngineSystem(
+                    zero_ref.initialize(model.build(spec.seed), config))
         batches = token_batches(model.vocab, spec.batch_per_rank * world_size, model.seq, rank, world_size,
                                 seed=spec.seed + 1)
         self.data = [next(batches)[1] for _ in range(spec.data_steps)]
@@ -193,7 +204,8 @@ def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, flo
     return ordered[k - 1], ordered[n - k]
 
 
-def extra_info(spec: BenchSpec, world_size: int, stage: int, summary: dict, report: dict, ddp_report: dict) -> dict:
+def extra_info(spec: BenchSpec, world_size: int, stage: int, summary: dict, report: dict, ddp_report: dict,
+               checks: str = "strict") -> dict:
     """The record of one measurement, as stored in pytest-benchmark's extra_info (the baseline's
     schema, read by the gate and by experiments/scaling_curves.py)."""
     model, psi = MODELS[spec.model], report["psi"]
@@ -201,7 +213,7 @@ def extra_info(spec: BenchSpec, world_size: int, stage: int, summary: dict, repo
     elements_total = sum(v for kind, v in report["elements"].items() if kind != "other")   # other: a call count
     return {
         "model": model.name, "layers": model.layers, "hidden": model.hidden, "heads": model.heads,
-        "vocab": model.vocab, "seq": model.seq, "psi": psi, "stage": stage, "world_size": world_size,
+        "vocab": model.vocab, "seq": model.seq, "psi": psi, "stage": stage, "checks": checks, "world_size": world_size,
         "batch_per_rank": spec.batch_per_rank, "dtype": "fp32", **summary,
         "bytes_per_rank": report["bytes"], "bytes_timing_dependent": report["bytes_timing_dependent"],
         "ddp_bytes_per_rank": ddp_report["bytes"],
@@ -217,19 +229,19 @@ def extra_info(spec: BenchSpec, world_size: int, stage: int, summary: dict, repo
     }
 
 
-def measure(pool, spec: BenchSpec, stage: int, rounds: int, warmup: int) -> dict:
+def measure(pool, spec: BenchSpec, stage: int, rounds: int, warmup: int, checks: str = "strict") -> dict:
     """One measurement without pytest-benchmark: `warmup` + `rounds` paired rounds, then the
     exact quantities; returns the extra_info record."""
-    paired = PairedRounds(pool, f"zero-{stage}")
+    paired = PairedRounds(pool, system_name(stage, checks))
     paired.run(warmup + rounds)
-    return record(pool, spec, stage, paired, warmup)
+    return record(pool, spec, stage, paired, warmup, checks)
 
 
-def record(pool, spec: BenchSpec, stage: int, paired: PairedRounds, warmup: int) -> dict:
+def record(pool, spec: BenchSpec, stage: int, paired: PairedRounds, warmup: int, checks: str = "strict") -> dict:
     """The extra_info record of rounds already run on `pool`."""
-    report = pool.call("report", f"zero-{stage}")[0]
+    report = pool.call("report", system_name(stage, checks))[0]
     ddp_report = pool.call("report", "ddp")[0]
-    return extra_info(spec, pool.world_size, stage, paired.summary(skip=warmup), report, ddp_report)
+    return extra_info(spec, pool.world_size, stage, paired.summary(skip=warmup), report, ddp_report, checks)
 
 
 # ------------------------------------------------------------------------------------ the gate

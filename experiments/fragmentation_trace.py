@@ -24,7 +24,7 @@ from zero_ref.core.activations import checkpoint_blocks
 from zero_ref.analysis.alloc_trace import AllocationTrace, record_allocations
 from zero_ref.analysis.at_scale import ModelShape, fake_world
 from zero_ref.config import ZeroConfig
-from zero_ref.core.engine import initialize
+from zero_ref.engine import initialize
 
 
 @dataclass(frozen=True)

@@ -130,17 +130,6 @@ def test_bad_groups_are_refused_with_the_reason(world1):
     assert "does not fit StepLR" in m["other_scheduler"] and "lr_lambdas" in m["other_scheduler"]
 
 
-def test_a_failure_at_any_micro_batch_reads_as_a_failure():
-    """The failure slot holds four bits: micro-batch 16 (or 30, 45...) of a long accumulation must
-    not wrap to 0, which means no failure, and must stay within the slot so the sums stay exact."""
-    from zero_ref.core.param_groups import FINGERPRINT_PARTS, agreement_stats
-
-    slot = 1 + FINGERPRINT_PARTS
-    for failed_at in range(1, 100):
-        assert 1 <= agreement_stats(None, failed_at)[slot] <= 15, failed_at
-    assert agreement_stats(None, 0)[slot] == 0
-
-
 def _edited_by_hand(rank, world_size, batches):
     """Edits of engine.optimizer.param_groups that the update would ignore, each made before one
     step (every rank alike but the last) and undone after; then options at torch's defaults and the

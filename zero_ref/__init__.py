@@ -7,7 +7,7 @@
 """
 
 from .config import ZeroConfig
-from .core.engine import ZeroEngine, initialize
+from .engine import ZeroEngine, initialize
 from .analysis.presets import PAPER_CONFIGS, PaperConfig
 from .guard.sharded_param import FreedParameterError
 

@@ -69,7 +69,7 @@ def train_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from .core.engine import initialize
+    from .engine import initialize
     from .models import lm_loss, tiny_gpt2, token_batches
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")

@@ -15,6 +15,7 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STAGES = (0, 1, 2, 3)
 KERNELS = ("auto", "triton", "torch")
+CHECKS = ("strict", "off")
 NONFINITE = ("error", "skip")
 REDUCE_DTYPES = ("fp32",)
 
@@ -64,6 +65,13 @@ class ZeroConfig:
         initial_loss_scale, loss_scale_growth_interval, min_loss_scale: fp16 dynamic loss scaling:
             the scale halves on overflow (that step is skipped on every rank) and doubles after
             `loss_scale_growth_interval` clean steps.
+        checks: "strict" (the default) guards every step: the ranks are compared at initialize, a
+            failure on some ranks only or a disagreement between them is refused on every rank,
+            parameters written or read from outside the engine are adopted, gathered or refused
+            (zero_ref/guard, docs/contract.md). "off" runs the bare core, as DeepSpeed and FSDP2
+            do: the same exact updates for a program that every rank runs alike, with no
+            protection against one that does not; for reading the algorithm, and for speed on a
+            model you trust.
     """
 
     stage: int = 0
@@ -86,6 +94,7 @@ class ZeroConfig:
     initial_loss_scale: float = 2.0**16
     loss_scale_growth_interval: int = 2000
     min_loss_scale: float = 1.0
+    checks: str = "strict"
 
     def __post_init__(self) -> None:
         _check(_one_of(self.stage, STAGES, int), "stage", self.stage, "one of 0, 1, 2, 3")
@@ -122,6 +131,7 @@ class ZeroConfig:
                self.loss_scale_growth_interval, "an integer >= 1")
         _check(_finite_number(self.min_loss_scale) and 0 < self.min_loss_scale <= self.initial_loss_scale,
                "min_loss_scale", self.min_loss_scale, "a finite number in (0, initial_loss_scale]")
+        _check(_one_of(self.checks, CHECKS, str), "checks", self.checks, f"one of {', '.join(map(repr, CHECKS))}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import memory_model as mm
 from ..config import ZeroConfig
-from ..core.engine import initialize
+from ..engine import initialize
 
 
 # --------------------------------------------------------------------------------------- the model

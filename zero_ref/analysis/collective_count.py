@@ -8,7 +8,7 @@ a peer such as DDP) and counts floating-point elements per rank the way the pape
     counter.moved      # Counter({"reduce_scatter": ..., "all_gather": ..., "all_reduce": ...})
     counter.calls      # how many collectives of each kind were issued
 
-A library that builds one collective out of another says so with `counted_as`: zero-ref's
+A library that builds one collective out of another says so with `core.gloo.counted_as`: zero-ref's
 reduce-scatter on gloo is an all-to-all and a local sum (comm.py), and counts as the reduce-scatter
 it is, with the elements the all-to-all's own arguments give.
 """
@@ -16,12 +16,12 @@ it is, with the elements the all-to-all's own arguments give.
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..core.gloo import counted_kind
 
 
 def _numel(tensors) -> int:
@@ -50,20 +50,6 @@ _OPS = {
 }
 _NOT_COUNTED = {"barrier", "monitored_barrier_", "check_for_nan"}
 
-_counted_kind: ContextVar[str | None] = ContextVar("zero_ref_counted_kind", default=None)
-
-
-@contextmanager
-def counted_as(kind: str):
-    """Count the collectives issued inside the block (on this thread) as `kind`, the collective
-    they carry out; their elements are counted by their own rule."""
-    token = _counted_kind.set(kind)
-    try:
-        yield
-    finally:
-        _counted_kind.reset(token)
-
-
 class CountCollectives(TorchDispatchMode):
     """Counts the elements of every floating-point c10d collective issued while it is active, by
     kind in `moved` (barriers are not counted; "other": the number of calls of kinds not listed
@@ -80,7 +66,7 @@ class CountCollectives(TorchDispatchMode):
             tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
             if name not in _NOT_COUNTED and tensors and tensors[0].is_floating_point():
                 kind, elements = _OPS.get(name, ("other", lambda _: 1))
-                kind = _counted_kind.get() or kind
+                kind = counted_kind() or kind
                 self.moved[kind] += elements(args)
                 self.calls[kind] += 1
         return func(*args, **(kwargs or {}))

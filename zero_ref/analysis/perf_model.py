@@ -368,7 +368,7 @@ def _one_step_counts(shape, stage: int, nd: int, nm: int, batch: int, bucket_num
     from .at_scale import fake_world
     from .collective_count import CountCollectives
     from ..config import ZeroConfig
-    from ..core.engine import initialize
+    from ..engine import initialize
 
     with fake_world(nd * nm):
         dp_group = dist.new_group(list(range(0, nd * nm, nm)))

@@ -66,7 +66,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..analysis.collective_count import counted_as
+from . import gloo
 from .in_flight import CollectiveError, DoneLocally, Pending, SideStream
 from .labels import label
 
@@ -228,10 +228,7 @@ class Comm:
                 work = DoneLocally(self.device)
             else:
                 if op == "avg" and self.backend == "gloo" and tensor.dtype == torch.float16:
-                    # gloo averages by summing in fp16 first: gradients whose mean fits fp16 overflowed
-                    # at world 2 (a loss-scaled 2 * 16384). Divide first, as torch's DDP does
-                    tensor.div_(self.world_size)
-                    reduce_op = dist.ReduceOp.SUM
+                    reduce_op = gloo.divide_first(tensor, self.world_size)
                 work = dist.all_reduce(tensor, op=reduce_op, group=self.reduce_group, async_op=True)
         return self._issue(work, f"all_reduce of {tensor.numel()} elements", async_op)
 
@@ -239,8 +236,8 @@ class Comm:
         """Average `full` (identical shape on every rank) over the group; rank r receives chunk r of
         the result in `output`, which may be rank r's own chunk of `full` (in place).
 
-        On gloo it is an all-to-all and a local sum (`_reduce_scatter_by_all_to_all`); elsewhere the
-        backend's own reduce-scatter."""
+        On gloo it is an all-to-all and a local sum (gloo.py); elsewhere the backend's own
+        reduce-scatter."""
         self.ledger.record("reduce_scatter", full.numel())
         then = None
         with self._label_issue("reduce_scatter", full):
@@ -248,35 +245,10 @@ class Comm:
                 _copy_unless_same(output, full)
                 work = DoneLocally(self.device)
             elif self.backend == "gloo":
-                work, then = self._reduce_scatter_by_all_to_all(output, full)
+                work, then = gloo.reduce_scatter_by_all_to_all(output, full, self.reduce_group, self.world_size)
             else:
                 work = _reduce_scatter(output, full, op=dist.ReduceOp.AVG, group=self.reduce_group, async_op=True)
         return self._issue(work, f"reduce_scatter of {full.numel()} elements", async_op, then)
-
-    def _reduce_scatter_by_all_to_all(self, output: torch.Tensor, full: torch.Tensor):
-        """gloo's reduce-scatter all-reduces the whole buffer and keeps one chunk: it moves twice and
-        sums world_size times what a reduce-scatter needs (4 ranks, 786,432 fp32 elements: 8.5 ms
-        against 4.5 ms for this, medians of 30, torch 2.13). Here rank r receives chunk r of every
-        rank's `full` in one all-to-all (n elements in, n out, as the paper counts a reduce-scatter)
-        and, once the wait returns, sums those rows in rank order into `output` and divides by the
-        world size. The receive buffer, as large as `full`, lives until then and is freed there.
-        Returns (work, what to run after the wait). The element counter below the engine
-        (collective_count) is told that this all-to-all is a reduce-scatter."""
-        received = torch.empty_like(full)   # row j: rank j's chunk r
-        with counted_as("reduce_scatter"):
-            work = dist.all_to_all_single(received, full, group=self.reduce_group, async_op=True)
-
-        def average():
-            rows = received.view(self.world_size, -1)
-            if output.dtype == torch.float16:   # the sum of values whose mean fits fp16 may not: sum in fp32
-                output.view(-1).copy_(rows.sum(dim=0, dtype=torch.float32).div_(self.world_size))
-            else:
-                torch.sum(rows, dim=0, out=output.view(-1))
-                output.div_(self.world_size)
-            # free it now: gloo's worker thread still holds the tensor for a moment after the wait
-            # returns (measured: 10-15% of calls), which made a rank's bytes depend on timing
-            received.untyped_storage().resize_(0)
-        return work, average
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False, in_step: bool = True,
                    channel: str = "reduce"):
@@ -331,17 +303,18 @@ class Comm:
         Pending(work, "control exchange", self.rank, self.control_timeout_s, self._retire, self.issued).wait()
         return gathered.view(self.world_size, len(values)).tolist()
 
-    def sum_statistics(self, stats: torch.Tensor) -> None:
-        """Sum the step's statistics over the group, in place, on the statistics channel (host
-        memory: a copy to the host and back from a GPU, where the step reads them on the host
-        anyway). Counted in the ledger as the all-reduce it is."""
+    def statistics(self, stats: torch.Tensor, op: str = "sum") -> None:
+        """All-reduce the step's vote over the group, in place (`op`: "sum" or "max"), on the
+        statistics channel, in host memory (a GPU's values are copied to the host first, where the
+        step reads them anyway). Counted in the ledger as the all-reduce it is."""
         self.ledger.record("all_reduce", 2 * stats.numel())
         with self._label_issue("all_reduce", stats):
             if self.alone:
                 return
             host = stats if stats.device.type in ("cpu", "meta") else stats.cpu()
-            work = dist.all_reduce(host, op=dist.ReduceOp.SUM, group=self.statistics_group, async_op=True)
-        Pending(work, f"all_reduce of {stats.numel()} step statistics", self.rank, self.control_timeout_s,
+            reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+            work = dist.all_reduce(host, op=reduce_op, group=self.statistics_group, async_op=True)
+        Pending(work, f"all_reduce ({op}) of {stats.numel()} step statistics", self.rank, self.control_timeout_s,
                 self._retire, self.issued).wait()
         if host is not stats:
             stats.copy_(host)

@@ -23,19 +23,14 @@ then), and the update is AdamW's with torch's defaults for its other options, so
 refuses a parameter moved between groups by hand, or an option such as `maximize=True` set on a
 group, which it would otherwise ignore.
 
-Every rank must hold the same values, or the shards of one model would take different steps.
-`engine.step()` checks it without a collective of its own: each rank adds a fingerprint of its
-values (`agreement_stats`) to the step's one statistics all-reduce, and every rank reads the same
-sums, so all raise together, before anything changes, when the values differ (a scheduler stepped
-on some ranks only) or are invalid somewhere. The same slots carry the micro-batch of the step at
-which the rank's backward raised, if one did, which must agree too (step_failures.py).
+Every rank must hold the same values, or the shards of one model would take different steps:
+with checks="strict" the step's vote compares them exactly and every rank refuses the step together
+when they differ (a scheduler stepped on some ranks only) or are invalid somewhere (guard/strict.py).
 """
 
 from __future__ import annotations
 
 import math
-import struct
-import zlib
 
 import torch
 from torch import nn
@@ -208,61 +203,3 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict) -> None:
         raise RuntimeError("the optimizer state is sharded across the ranks: restore it with engine.load_checkpoint")
-
-
-FINGERPRINT_PARTS = 4
-"""A hash of the hyper-parameters cut into 4 four-bit numbers h: two different sets of values pass
-for equal with probability 2**-16. Sums of h and h*h over up to 74,565 ranks stay below 2**24, so
-they are exact in the fp32 statistics whatever the order of summation."""
-
-AGREEMENT_SLOTS = 1 + 2 * (FINGERPRINT_PARTS + 1)
-"""[invalid, h_1..h_4, f, h_1**2..h_4**2, f**2]: f is the micro-batch of the step (1, 2, ...,
-counted 1..15 over again; 0 for none) at which this rank's forward or backward raised."""
-
-
-def agreement_stats(hyper: list[tuple] | None, failed_at: int = 0) -> list[float]:
-    """[invalid, h_1..h_4, f, h_1**2..h_4**2, f**2] for one rank's hyper-parameters (None: invalid
-    here) and the micro-batch of the step at which its forward or backward raised (f in 1..15,
-    micro-batch 16 again 1; 0: none, which no failure may read as)."""
-    failed = float((failed_at - 1) % 15 + 1 if failed_at else 0)
-    if hyper is None:
-        return [1.0, *[0.0] * FINGERPRINT_PARTS, failed, *[0.0] * FINGERPRINT_PARTS, failed * failed]
-    values = [v for group in hyper for v in group]
-    digest = zlib.crc32(struct.pack(f"<{len(values)}d", *values))
-    parts = [float((digest >> (4 * i)) & 15) for i in range(FINGERPRINT_PARTS)] + [failed]
-    return [0.0, *parts, *(h * h for h in parts)]
-
-
-def _same_on_every_rank(summed: list[float], world_size: int) -> list[bool]:
-    """For each part h of `agreement_stats`: was it the same on every rank? By Cauchy-Schwarz,
-    Nd * sum(h**2) == sum(h)**2 exactly when every rank's h is the same."""
-    parts, squares = summed[1:2 + FINGERPRINT_PARTS], summed[2 + FINGERPRINT_PARTS:]
-    return [world_size > 74_565 or world_size * round(q) == round(h) ** 2 for h, q in zip(parts, squares)]
-
-
-FAILURE_DISAGREES = (
-    "a backward raised on some ranks and not on the others (or at another micro-batch of the step), or a "
-    "forward did: the ranks' gradients are not of the same batches, so nothing was updated on any rank. If "
-    "every failure was in engine.backward, engine.zero_grad() on every rank and the next batch put the ranks in "
-    "step again (the failing ranks issued the rest of the step's collectives); a rank that went on after its "
-    "forward raised is a batch ahead of the others: restart from the last checkpoint")
-
-
-def failure_disagreement(summed: list[float], world_size: int) -> str | None:
-    """FAILURE_DISAGREES when the ranks' backwards did not all raise at the same micro-batch of the
-    step (or all not raise), else None."""
-    return None if _same_on_every_rank(summed, world_size)[-1] else FAILURE_DISAGREES
-
-
-def agreement(summed: list[float], world_size: int) -> str | None:
-    """None when every rank held valid and equal hyper-parameters, else what was wrong (the
-    failure part is `failure_disagreement`'s)."""
-    invalid, same = summed[0], _same_on_every_rank(summed, world_size)[:-1]
-    if invalid:
-        return (f"{int(invalid)} of {world_size} ranks hold invalid hyper-parameters in engine.optimizer.param_groups "
-                "(a bad value, an option zero-ref does not implement, or parameters moved between groups: those "
-                "ranks raise what they found). Nothing was updated on any rank")
-    if all(same):
-        return None
-    return ("the ranks hold different hyper-parameters in engine.optimizer.param_groups (a learning-rate "
-            "scheduler or a manual change applied on some ranks only?): every rank must set the same values")

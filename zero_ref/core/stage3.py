@@ -35,12 +35,14 @@ track (`param.detach()`) keeps the unit gathered for the rest of the forward and
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import sys
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from .comm import Comm
 from ..config import ZeroConfig
@@ -50,9 +52,7 @@ from .grad_hooks import GroupArrivals, register_grad_hooks
 from .in_flight import SideStream
 from .labels import label
 from .partition import GroupLayout, bind_params_to, copy_params_into, make_group
-from ..guard.sharded_param import mark_sharded
 from .stage_base import Stage
-from ..guard.unit_reads import ExternalUseWatcher, output_tensors, run_autograd
 
 
 def build_units(model: nn.Module, trainable: list[nn.Parameter], unit_numel: int
@@ -98,21 +98,6 @@ FOREIGN_BACKWARD = (
     "0-2 (frozen with requires_grad_(False) for that backward, it then needs nothing; stages 0-2 also take "
     "torch.autograd.grad, create_graph included). The gradients "
     "accumulated since the last step are not usable: engine.zero_grad() discards them")
-
-
-def refuse_compiled(model: nn.Module) -> None:
-    """Stage 3 gathers each unit's parameters in module hooks and watches parameter reads with a
-    TorchFunctionMode; torch.compile traces into both and fails inside dynamo. Say so at initialize,
-    before anything changes (stages 0-2 keep their work in gradient hooks, which compiled graphs run)."""
-    wrapper = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", ())   # none if never imported
-    for name, module in model.named_modules():
-        if isinstance(module, wrapper) or \
-                getattr(module, "_compiled_call_impl", None) is not None:
-            where = f"its submodule {name!r}" if name else "the model"
-            raise ValueError(
-                f"stage 3 cannot train a torch.compile'd model ({where} is compiled): stage 3 gathers each "
-                "unit's parameters in module hooks and watches parameter reads, which torch.compile cannot "
-                "trace. Give stage 3 the model uncompiled, or compile it at stages 0-2")
 
 
 def _internal(method):
@@ -195,13 +180,11 @@ class Stage3(Stage):
                                           config.overlap, config.bucket_numel,
                                           may_block=self.device.type == "cuda" or comm.backend == "fake")
         self.arrivals = GroupArrivals(self.groups, self.buckets.reduce_scatter)
-        self.internal = 0                        # > 0 while the stage's own code runs (the watcher ignores it)
-        self.watcher = ExternalUseWatcher(self)
+        self.internal = 0                        # > 0 while the stage's own code runs (a guard's watcher ignores it)
         self.hooks = register_grad_hooks(trainable, self._after_grad, self._before_grad)
         for module in [model, *[root for root, _ in units if root is not model]]:
             self.hooks.append(module.register_forward_pre_hook(self._enter))
             self.hooks.append(module.register_forward_hook(self._exit, always_call=True))
-        mark_sharded(model, trainable)   # reading a freed one raises instead of reading past its storage
         self._mark_shards_written()
 
     def _keep_own_pieces(self, param: nn.Parameter, g: int, start: int, end: int) -> None:
@@ -419,15 +402,9 @@ class Stage3(Stage):
         if not self.retaining:
             self.pinned.clear()
 
-    def forward_context(self):
-        return self.watcher
-
-    def run_backward(self, loss: torch.Tensor, retain_graph: bool) -> None:
-        """`loss.backward()` with the watcher on inside it (unit_reads.run_autograd): hooks and custom
-        Functions' backward that read a parameter of a freed unit gather it."""
-        self.retaining = retain_graph
-        with self.watcher:
-            run_autograd(loss, retain_graph)
+    def run_backward(self, loss: torch.Tensor, retain_graph: bool, autograd=torch.autograd.backward) -> None:
+        self.retaining = retain_graph   # units pinned for backward stay so for the next one too
+        autograd(loss, retain_graph=retain_graph)
 
     # --- step --------------------------------------------------------------------------------------
     def grad_segments(self) -> list[torch.Tensor]:
@@ -469,3 +446,18 @@ class Stage3(Stage):
 
 def _module_name(model: nn.Module, module: nn.Module) -> str:
     return next((name or "<model>" for name, m in model.named_modules() if m is module), "?")
+
+
+def output_tensors(output) -> list[torch.Tensor]:
+    """The tensors in a unit root's output, through lists, tuples and dicts (torch's pytree, which
+    also knows Hugging Face's ModelOutput) and dataclasses: each gets the hook that gathers the unit
+    before its backward. A tensor hidden anywhere else misses it (guard/unit_reads.py then gathers
+    the unit from the backward nodes that read it)."""
+    found, pending = [], [output]
+    while pending:
+        for leaf in tree_flatten(pending.pop())[0]:
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+                pending.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))
+    return found

@@ -5,8 +5,6 @@ groups, which segment of each group this rank keeps, how gradients are reduced d
 and what has to be gathered after the optimizer has updated this rank's fp32 master segments. The
 engine drives a step through this interface:
 
-    forward_context()               entered around the model's forward (stage 3: its watcher;
-                                    stage 3 gathers through hooks on the model's modules)
     begin_backward / end_backward   around run_backward(loss), the autograd pass; on return
                                     every reduction the stage owes for this micro-batch has completed
                                     (also after a backward that raised: step_failures.py)
@@ -29,7 +27,6 @@ from .comm import Comm
 from ..config import ZeroConfig
 from .optim import ShardedAdamW
 from .partition import FlatGroup
-from ..guard.same_everywhere import value_digest
 
 BARE_BACKWARD = ("a backward pass reached zero-ref's gradient hooks outside engine.backward(loss): call "
                  "engine.backward(loss) instead of loss.backward() (it applies the fp16 loss scale and "
@@ -84,9 +81,10 @@ class Stage:
         """A context manager entered around the model's forward."""
         return contextlib.nullcontext()
 
-    def run_backward(self, loss: torch.Tensor, retain_graph: bool) -> None:
-        """`loss.backward(retain_graph=retain_graph)` (stage 3 watches it)."""
-        loss.backward(retain_graph=retain_graph)
+    def run_backward(self, loss: torch.Tensor, retain_graph: bool, autograd=torch.autograd.backward) -> None:
+        """`autograd(loss, retain_graph=retain_graph)`: the backward pass (a guard may pass its own
+        entry into autograd, guard/unit_reads.py)."""
+        autograd(loss, retain_graph=retain_graph)
 
     def idle_forward(self) -> None:
         """Issue the collectives of a forward without running one: what a rank whose backward raised
@@ -123,15 +121,6 @@ class Stage:
 
     def mark_used(self, param: nn.Parameter) -> None:
         self.used[self.index[id(param)]] = 1
-
-    def used_mask(self, extra: list[float] = ()) -> torch.Tensor:
-        """1.0 for each trainable parameter that got a gradient on this rank since the last step,
-        followed by `extra` host values, in one copy to the device (on CUDA from pinned memory, so
-        that the copy does not stop the host)."""
-        mask = torch.tensor([*self.used, *extra], dtype=torch.float32)
-        if self.device.type == "cuda":
-            return mask.pin_memory().to(self.device, non_blocking=True)
-        return mask.to(self.device)
 
     def _make_optimizer(self, segments: list[torch.Tensor]) -> ShardedAdamW:
         """AdamW over this rank's `segments`, knowing which parameter each piece belongs to."""
@@ -219,10 +208,6 @@ class Stage:
     def params_written(self) -> bool:
         """Whether something outside the engine wrote into the parameters since it last did."""
         return self._param_versions() != self.param_versions
-
-    def param_digest(self) -> list[tuple[float, float, float]]:
-        """A digest of every group's parameters (same_everywhere.value_digest), to compare across ranks."""
-        return value_digest([self.param_buffer(g) for g in range(len(self.groups))])
 
     def adopt_param_writes(self) -> None:
         """Make the values written into this rank's pieces of the parameters its master's (only the

@@ -17,8 +17,10 @@ model's `zero_grad()` discards the engine's gradients.
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 
+import torch
 from torch import nn
 
 from .sharded_param import is_freed
@@ -95,3 +97,42 @@ def check_not_taken(model: nn.Module) -> None:
             raise ValueError(f"parameter {name} has no values: a stage-3 engine sharded it and kept them (they are "
                              "freed here, even after close). Take engine.full_state_dict() before closing it and "
                              "build the model again, or load a checkpoint into the new engine")
+
+
+def refuse_compiled(model: nn.Module) -> None:
+    """Stage 3 gathers each unit's parameters in module hooks and watches parameter reads with a
+    TorchFunctionMode; torch.compile traces into both and fails inside dynamo. Say so at initialize,
+    before anything changes (stages 0-2 keep their work in gradient hooks, which compiled graphs run)."""
+    wrapper = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", ())   # none if never imported
+    for name, module in model.named_modules():
+        if isinstance(module, wrapper) or \
+                getattr(module, "_compiled_call_impl", None) is not None:
+            where = f"its submodule {name!r}" if name else "the model"
+            raise ValueError(
+                f"stage 3 cannot train a torch.compile'd model ({where} is compiled): stage 3 gathers each "
+                "unit's parameters in module hooks and watches parameter reads, which torch.compile cannot "
+                "trace. Give stage 3 the model uncompiled, or compile it at stages 0-2")
+
+
+def detached_message(model: nn.Module, dtype: torch.dtype, detached: list[nn.Parameter],
+                     unfrozen: list[nn.Parameter]) -> str:
+    """Why step refuses, on every rank, when a parameter's .data was replaced on any rank (or a
+    parameter frozen at initialize was made trainable)."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    if unfrozen:
+        which = ", ".join(repr(names.get(id(p), "?")) for p in unfrozen)
+        return (f"parameters frozen at initialize were made trainable after it ({which} on this rank): the "
+                "engine neither shards nor updates them. Nothing was updated on any rank. "
+                "Set requires_grad before zero_ref.initialize (build a new engine for a new set of "
+                "trainable parameters)")
+    here = ", ".join(f"{names.get(id(p), '?')!r} (now {str(p.dtype).removeprefix('torch.')}, storage of its "
+                     "own)" for p in detached)
+    where = f"on this rank: {here}" if here else "on another rank"
+    dtype = str(dtype).removeprefix("torch.")
+    return (f"zero-ref's parameters were replaced after initialize, or frozen ones made trainable ({where}): "
+            "something set their .data (Module.to(dtype), .float(), .half(), param.data = ...), so the model "
+            "no longer reads the values the optimizer updates. Nothing was updated on any rank. Keep every "
+            f"trainable parameter in the engine's dtype ({dtype}) and write values with "
+            "engine.load_state_dict(...) instead. Hugging Face's Switch "
+            "Transformers router calls self.classifier.to(router_dtype) in every forward: give it "
+            f"SwitchTransformersConfig(router_dtype='{dtype}').")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .same_everywhere import ranks_with_other_values
+from .same_everywhere import ranks_with_other_values, value_digest
 
 
 def adopt_or_refuse(engine, ranks_written: float | None = None) -> None:
@@ -46,7 +46,7 @@ def adopt_or_refuse(engine, ranks_written: float | None = None) -> None:
         ranks_written = flag.item()
     if not ranks_written:
         return
-    everyone = engine._ranks_summed
+    everyone = engine.ranks_summed
     on = f"on {int(ranks_written)} of {everyone} ranks"
     if stage.params_sharded:
         here = stage.written_while_gathered
@@ -65,7 +65,7 @@ def adopt_or_refuse(engine, ranks_written: float | None = None) -> None:
             f"{on}: the ranks would train different models. Nothing was changed; write the same values on "
             "every rank (engine.load_state_dict does it for you)")
     if everyone > 1:
-        mine = stage.param_digest()
+        mine = value_digest([stage.param_buffer(g) for g in range(len(stage.groups))])
         differ = ranks_with_other_values(engine.comm.all_gather_object(mine), mine)
         if differ:
             raise ValueError(

@@ -10,7 +10,7 @@ with one of theirs. So:
    issue, in the order every rank shares: the rest of this backward's, those of the step's
    remaining micro-batches (as backwards in which no gradient arrives), then the step's
    statistics. The statistics carry the micro-batch at which this rank's forward or backward
-   raised (`engine._failed_at`; 0: none).
+   raised (`Strict.failed_at`; 0: none).
 2. Compare: the statistics are summed over the ranks, so every rank learns whether the failure was
    everyone's, at the same micro-batch. If so the error goes on, and `engine.zero_grad()` and the
    same micro-batch again is exact. If not, every rank raises ValueError (the failing ones from
@@ -42,35 +42,28 @@ last checkpoint in a new engine.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from ..core.grad_stats import StepStatistics
+from ..core.grad_stats import StepVote
 from ..core.in_flight import CollectiveError
 
-if TYPE_CHECKING:
-    from ..core.engine import ZeroEngine
+FAILURE_DISAGREES = (
+    "a backward raised on some ranks and not on the others (or at another micro-batch of the step), or a "
+    "forward did: the ranks' gradients are not of the same batches, so nothing was updated on any rank. If "
+    "every failure was in engine.backward, engine.zero_grad() on every rank and the next batch put the ranks in "
+    "step again (the failing ranks issued the rest of the step's collectives); a rank that went on after its "
+    "forward raised is a batch ahead of the others: restart from the last checkpoint")
 
 
-def forward_raised(engine: "ZeroEngine") -> None:
-    """Record that this step's forward (with gradients enabled) raised at the current micro-batch."""
-    engine._failed_at = engine.micro_step % engine.config.grad_accum_steps + 1
-
-
-def backward_raised(engine: "ZeroEngine", err: BaseException) -> None:
-    """This rank's backward raised `err`: refuse to step until zero_grad, and, for an ordinary
-    exception, catch up with the other ranks (raises ValueError if the failure was not every
-    rank's). A CollectiveError (a peer is gone) or a KeyboardInterrupt goes on as it is."""
-    stage = engine.stage
-    engine._failed_at = (engine.micro_step - 1) % engine.config.grad_accum_steps + 1
-    stage.polluted = stage.polluted or (
-        f"engine.backward raised {type(err).__name__}: the gradients since the last step are "
-        "incomplete; engine.zero_grad() discards them")
+def backward_raised(engine, guard, err: BaseException) -> None:
+    """This rank's backward raised `err` (the engine already refuses to step until zero_grad): for an
+    ordinary exception, catch up with the other ranks (raises ValueError if the failure was not
+    every rank's). A CollectiveError (a peer is gone) or a KeyboardInterrupt goes on as it is."""
+    guard.failed_at = (engine.micro_step - 1) % engine.config.grad_accum_steps + 1
     if isinstance(err, Exception) and not isinstance(err, CollectiveError):
         finish_step_after_failure(engine, err)
 
 
-def finish_step_after_failure(engine: "ZeroEngine", err: Exception) -> None:
-    """Issue the collectives the other ranks issue until the step's statistics (step 1 above), then
+def finish_step_after_failure(engine, err: Exception) -> None:
+    """Issue the collectives the other ranks issue until the step's vote (step 1 above), then
     raise ValueError if the failure was not every rank's at the same micro-batch (step 2). If a
     collective fails on the way (a peer is gone), `err` goes on with a note."""
     stage = engine.stage
@@ -78,78 +71,78 @@ def finish_step_after_failure(engine: "ZeroEngine", err: Exception) -> None:
         stage.end_backward(engine.at_boundary, failed=True)
         while not engine.at_boundary:
             engine.micro_step += 1
-            engine._broadcast_buffers()
+            engine.broadcast_buffers()
             stage.idle_forward()
             stage.begin_backward(engine.at_boundary)
             stage.end_backward(engine.at_boundary, failed=True)
-        summed = engine._step_statistics()
+        vote = engine.vote()
     except CollectiveError as comm_err:
         err.add_note(f"zero-ref could not keep the other ranks in step after this error: {comm_err}")
         return
-    if summed.failure_disagrees:
+    if not vote.same.get("failed_at", True):
         first_line = (str(err).splitlines() or [""])[0][:200]
         raise ValueError(f"engine.backward raised on this rank ({type(err).__name__}: {first_line}); "
-                         f"{summed.failure_disagrees}") from err
+                         f"{FAILURE_DISAGREES}") from err
 
 
-def check_nobody_failed_at_the_boundary(engine: "ZeroEngine", discarding: bool = False) -> None:
+def check_nobody_failed_at_the_boundary(engine, guard, discarding: bool = False) -> None:
     """A backward that raised at a step boundary on some rank caught up to the step there and sent
-    the step's statistics; this rank reached the boundary and did not step, but went on (another
+    the step's vote; this rank reached the boundary and did not step, but went on (another
     micro-batch, a collective call such as full_state_dict). Before any collective that rank never
-    issues, send the statistics too (step 3 above): every rank learns of the failure and raises
+    issues, send the vote too (step 3 above): every rank learns of the failure and raises
     ValueError; or, `discarding` the step (zero_grad, load_checkpoint), just goes on."""
-    if not engine._boundary_unchecked:
+    if not guard.boundary_unchecked:
         return
-    summed = engine._step_statistics(discarding=discarding)
+    vote = engine.vote(discarding=discarding)
     if not discarding:
-        refuse_if_the_ranks_failed_apart(engine, summed)
-        refuse_unless_every_rank_steps(engine, summed)
+        refuse_if_the_ranks_failed_apart(engine, vote)
+        refuse_unless_every_rank_steps(engine, vote)
 
 
-def refuse_if_the_ranks_failed_apart(engine: "ZeroEngine", summed: StepStatistics) -> None:
-    """ValueError if the statistics say a forward or backward raised on some ranks only (or at
-    other micro-batches); the gradients stay unusable until zero_grad, as on the ranks whose
-    backward raised. Checked first wherever statistics are read: it is told only once."""
-    if summed.failure_disagrees:
-        engine.stage.polluted = summed.failure_disagrees
-        raise ValueError(summed.failure_disagrees)
+def refuse_if_the_ranks_failed_apart(engine, vote: StepVote) -> None:
+    """ValueError if the vote says a forward or backward raised on some ranks only (or at other
+    micro-batches); the gradients stay unusable until zero_grad, as on the ranks whose backward
+    raised. Checked first wherever a vote is read: it is told only once."""
+    if not vote.same.get("failed_at", True):
+        engine.stage.polluted = FAILURE_DISAGREES
+        raise ValueError(FAILURE_DISAGREES)
 
 
-def refuse_unless_every_rank_steps(engine: "ZeroEngine", summed: StepStatistics) -> None:
-    """ValueError on every rank if step() sent these statistics on some ranks while the others, at
-    the same step boundary, went on without stepping (their next call sent them: step 3 above).
-    Nothing was updated and the gradients are kept, so step() on every rank then goes on."""
-    everyone = engine._ranks_summed
-    if 0 < summed.stepping < everyone and summed.discarding:
+def refuse_unless_every_rank_steps(engine, vote: StepVote) -> None:
+    """ValueError on every rank if step() sent the vote on some ranks while the others, at the same
+    step boundary, went on without stepping (their next call sent it: step 3 above). Nothing was
+    updated and the gradients are kept, so step() on every rank then goes on."""
+    everyone, stepping, discarding = engine.ranks_summed, vote.counts["stepping"], vote.counts["discarding"]
+    if 0 < stepping < everyone and discarding:
         engine.zero_grad()   # as the others did: every rank goes on from the same (empty) step
         raise ValueError(
-            f"engine.step() was called at this step boundary on {int(summed.stepping)} of {everyone} ranks, while "
-            f"{int(summed.discarding)} dropped the step (zero_grad(), or load_checkpoint). Nothing was updated on "
+            f"engine.step() was called at this step boundary on {int(stepping)} of {everyone} ranks, while "
+            f"{int(discarding)} dropped the step (zero_grad(), or load_checkpoint). Nothing was updated on "
             "any rank, and the step's gradients are now dropped here too, so every rank goes on alike from the next "
             "micro-batch")
-    if 0 < summed.stepping < everyone:
+    if 0 < stepping < everyone:
         raise ValueError(
-            f"engine.step() was called at this step boundary on {int(summed.stepping)} of {everyone} ranks; the "
+            f"engine.step() was called at this step boundary on {int(stepping)} of {everyone} ranks; the "
             "others went on without it (another forward or backward, or a collective call such as "
             "full_state_dict). Nothing was updated and the gradients are kept: call step() on every rank "
             "(or zero_grad() on every rank to drop them)")
 
 
-def refuse_if_some_ranks_discarded(engine: "ZeroEngine", summed: StepStatistics) -> None:
+def refuse_if_some_ranks_discarded(engine, vote: StepVote) -> None:
     """ValueError on every rank if zero_grad() dropped gradients of this step's earlier micro-batches
     on some ranks only: the ranks then hold gradients of different micro-batches (at stages 2-3
     the reduced ones of every rank), so no update would be the one torch computes. Nothing is
     updated; the gradients stay unusable until zero_grad() on every rank."""
-    everyone = engine._ranks_summed
-    if 0 < summed.discarded < everyone:
+    everyone, discarded = engine.ranks_summed, vote.counts["discarded"]
+    if 0 < discarded < everyone:
         engine.stage.polluted = (
-            f"engine.zero_grad() was called on {int(summed.discarded)} of {everyone} ranks only in the middle of this "
+            f"engine.zero_grad() was called on {int(discarded)} of {everyone} ranks only in the middle of this "
             "step's micro-batches, so the ranks hold gradients of different micro-batches. Nothing was updated; "
             "call zero_grad() on every rank (or on none) and go on")
         raise ValueError(engine.stage.polluted)
 
 
-def step_raised(engine: "ZeroEngine", err: BaseException) -> None:
+def step_raised(engine, err: BaseException) -> None:
     """step() raised after the ranks agreed to update: this engine can no longer go on. (A
     CollectiveError is the other ranks' failure: the engine's channels refuse from now on, comm.py.)"""
     if isinstance(err, CollectiveError):

@@ -12,12 +12,9 @@ Stage3.keep_for_alias, Stage3.before_node).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from .sharded_param import METADATA
 
@@ -119,18 +116,3 @@ def run_autograd(loss: torch.Tensor, retain_graph: bool) -> None:
     run = getattr(torch.autograd.graph, "_engine_run_backward", None) or \
         torch.autograd.Variable._execution_engine.run_backward
     run((loss,), (torch.ones_like(loss),), retain_graph, False, (), allow_unreachable=True, accumulate_grad=True)
-
-
-def output_tensors(output) -> list[torch.Tensor]:
-    """The tensors in a unit root's output, through lists, tuples and dicts (torch's pytree, which
-    also knows Hugging Face's ModelOutput) and dataclasses: each gets the hook that gathers the unit
-    before its backward. A tensor hidden anywhere else misses it; the backward nodes of the operations
-    that read the unit's parameters then gather the unit themselves (`_ExternalUseWatcher._hook_nodes`)."""
-    found, pending = [], [output]
-    while pending:
-        for leaf in tree_flatten(pending.pop())[0]:
-            if isinstance(leaf, torch.Tensor):
-                found.append(leaf)
-            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-                pending.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))
-    return found

@@ -243,10 +243,9 @@ def _apply(engine, read: dict) -> None:
     optimizer.step_count = manifest["optimizer_step"]
     optimizer.param_steps = list(manifest["param_steps"])
     engine.global_step = manifest["global_step"]
-    engine._skipped_steps = manifest["skipped_steps"]
+    engine.skipped_steps = manifest["skipped_steps"]
     engine.scaler.load_state_dict(_scaler_state(engine, manifest))
     engine.micro_step = 0
-    engine._failed_at = 0   # a forward that raised before the load belongs to the step the load replaced
     stage.polluted = None
 
 
