@@ -43,31 +43,13 @@ def reference():
 
 def my_slice(full_model, split_model) -> dict[str, torch.Tensor]:
     """The unsplit model's values cut the way `split_model` (this MP rank's) holds them."""
-    from zero_ref.tensor_parallel import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        _split_rows,
-        group_rank,
-        group_size,
-    )
+    from zero_ref.tensor_parallel import group_rank, group_size, split_of
 
     full = full_model if isinstance(full_model, dict) else full_model.state_dict()
-    out = {}
-    for name, module in split_model.named_modules():
-        prefix = f"{name}." if name else ""
-        size, rank = group_size(getattr(module, "group", None)), group_rank(getattr(module, "group", None))
-        if isinstance(module, ColumnParallelLinear):
-            parts = 3 if name.endswith("qkv") else 1
-            for p in ("weight", "bias"):
-                if prefix + p in full:
-                    out[prefix + p] = _split_rows(full[prefix + p], parts, size, rank)
-        elif isinstance(module, RowParallelLinear):
-            out[prefix + "weight"] = full[prefix + "weight"].chunk(size, dim=1)[rank]
-            out[prefix + "bias"] = full[prefix + "bias"]
-        elif isinstance(module, VocabParallelEmbedding):
-            out[prefix + "weight"] = full[prefix + "weight"].chunk(size, dim=0)[rank]
-    return {k: out.get(k, v) for k, v in full.items()}
+    size, rank = group_size(split_model.group), group_rank(split_model.group)
+    params = dict(split_model.named_parameters())
+    return {k: split_of(params[k]).cut(v, size, rank) if k in params and split_of(params[k]) else v
+            for k, v in full.items()}
 
 
 def _unwrap(name: str) -> str:
