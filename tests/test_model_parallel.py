@@ -23,14 +23,15 @@ def batches():
     return [torch.randint(0, SHAPE["vocab_size"], (GLOBAL_BATCH, SEQ), generator=generator) for _ in range(STEPS)]
 
 
-def reference():
-    """The unsplit model, one process, torch.optim.AdamW on every global batch: losses and weights."""
+def reference(steps: int = STEPS):
+    """The unsplit model, one process, torch.optim.AdamW on the first `steps` global batches: losses
+    and weights."""
     from zero_ref.models import ParallelGPT
 
     model = ParallelGPT(**SHAPE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses = []
-    for tokens in batches():
+    for tokens in batches()[:steps]:
         loss = model(tokens)
         loss.backward()
         if CLIP is not None:
@@ -39,17 +40,6 @@ def reference():
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def my_slice(full_model, split_model) -> dict[str, torch.Tensor]:
-    """The unsplit model's values cut the way `split_model` (this MP rank's) holds them."""
-    from zero_ref.tensor_parallel import group_rank, group_size, split_of
-
-    full = full_model if isinstance(full_model, dict) else full_model.state_dict()
-    size, rank = group_size(split_model.group), group_rank(split_model.group)
-    params = dict(split_model.named_parameters())
-    return {k: split_of(params[k]).cut(v, size, rank) if k in params and split_of(params[k]) else v
-            for k, v in full.items()}
 
 
 def _unwrap(name: str) -> str:
@@ -93,12 +83,9 @@ def run_steps(engine, dp, steps):
 def train_mp(rank: int, world: int, modes, stages, folder):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zero_ref.models import ParallelGPT
-
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "mp"))
     dp = mesh.get_group("dp")
-    ref_losses, ref_state = reference()
-    expected = my_slice(ref_state, ParallelGPT(**SHAPE, group=mesh.get_group("mp")))
+    ref_losses, expected = reference()   # full_state_dict is the unsplit model's under MP too
     out = {}
     for stage in stages:
         for mode in modes:
