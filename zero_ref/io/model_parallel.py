@@ -18,9 +18,15 @@ io side of that one description, used three ways:
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 
-from ..tensor_parallel import split_of
+from ..tensor_parallel import Split, split_of
+from .manifest import CheckpointError
+
+_SUB_CHECKPOINT = re.compile(r"^mp(\d+)-of-(\d+)$")
 
 
 def join_over_model_parallel(module: torch.nn.Module, mp_comm, values: dict[int, torch.Tensor],
@@ -53,3 +59,63 @@ def full_shape(param: torch.nn.Parameter, mp_comm) -> tuple[int, ...] | None:
     """The unsplit shape of a split parameter under model parallelism, else None."""
     split = split_of(param) if mp_comm is not None else None
     return None if split is None else split.full_shape(param.shape, mp_comm.world_size)
+
+
+# --- offline ---------------------------------------------------------------------------------------
+def sub_checkpoints(root: Path) -> list[Path]:
+    """The sub-checkpoint roots `root/mp<r>-of-<Nm>` in MP rank order, all Nm of them; [] when
+    `root` holds none (not a checkpoint saved under model parallelism)."""
+    found = {}
+    for child in sorted(root.iterdir()) if root.is_dir() else ():
+        match = _SUB_CHECKPOINT.match(child.name)
+        if match and child.is_dir():
+            found[int(match[1]), int(match[2])] = child
+    sizes = sorted({size for _, size in found})
+    if len(sizes) > 1:
+        raise CheckpointError(f"{root} holds sub-checkpoints of several model-parallel sizes {sizes} "
+                              f"({', '.join(p.name for p in found.values())}): keep one size's folders")
+    if not sizes:
+        return []
+    missing = [f"mp{r}-of-{sizes[0]}" for r in range(sizes[0]) if (r, sizes[0]) not in found]
+    if missing:
+        raise CheckpointError(f"{root} lacks the model-parallel sub-checkpoint(s) {', '.join(missing)}: every MP "
+                              "rank's slice is needed to rebuild the unsplit model")
+    return [found[r, sizes[0]] for r in range(sizes[0])]
+
+
+def join_sub_checkpoints(folders: list[Path], glued: list[tuple[dict, dict[str, torch.Tensor]]]
+                         ) -> dict[str, torch.Tensor]:
+    """The unsplit state dict from MP rank r's (manifest, glued state dict) in `glued[r]`, read
+    from `folders[r]`: each split parameter's slices joined by the split its manifest records, every
+    other tensor taken from MP rank 0. CheckpointError when the sub-checkpoints do not belong together."""
+    size = len(glued)
+    for rank, (folder, (manifest, _)) in enumerate(zip(folders, glued)):
+        record = manifest.get("model_parallel")
+        if record is None:
+            raise CheckpointError(f"{folder}: its manifest has no 'model_parallel' field (saved before checkpoints "
+                                  "recorded how parameters split), so it cannot be joined offline: load it into an "
+                                  f"engine with {size} model-parallel ranks and call full_state_dict()")
+        if (record["rank"], record["size"]) != (rank, size):
+            raise CheckpointError(f"{folder}: its manifest's 'model_parallel' says rank {record['rank']} of "
+                                  f"{record['size']}, but it is sub-checkpoint {rank} of {size}")
+    steps = [manifest["global_step"] for manifest, _ in glued]
+    if len(set(steps)) > 1:
+        raise CheckpointError(f"the model-parallel sub-checkpoints under {folders[0].parent} are at different "
+                              f"global steps {steps} (one MP rank saved again, or a save did not finish on all)")
+    first_manifest, first = glued[0]
+    splits = first_manifest["model_parallel"]["splits"]
+    for folder, (manifest, state) in zip(folders[1:], glued[1:]):
+        if list(state) != list(first) or manifest["model_parallel"]["splits"] != splits:
+            raise CheckpointError(f"{folder} holds other tensors or splits than {folders[0]}: not slices of one model")
+    return {key: Split(*splits[key]).join([state[key] for _, state in glued]) if key in splits else value
+            for key, value in first.items()}
+
+
+def refuse_lone_slice(folder: Path, manifest: dict) -> None:
+    """CheckpointError when `folder` is one MP rank's sub-checkpoint: glued alone it is a slice,
+    not the model."""
+    record = manifest.get("model_parallel")
+    if record is not None and record["size"] > 1:
+        raise CheckpointError(f"{folder} is model-parallel rank {record['rank']}'s slice of a model split over "
+                              f"{record['size']} ranks: consolidate the folder that holds mp0-of-{record['size']} "
+                              f"... mp{record['size'] - 1}-of-{record['size']} (the one save_checkpoint was given)")
