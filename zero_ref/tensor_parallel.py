@@ -26,8 +26,8 @@ embeddings) are replicated, get identical gradients on every MP rank, and the en
 once in the global gradient norm.
 
 Each layer has a `seed`; `reset_parameters()` draws its weight full size on the CPU from that seed
-and keeps this rank's slice (its Split's cut), so a model split over any Nm starts from exactly the weights of the
-unsplit model (Nm = 1) and trains to the same result. Built under `torch.device("meta")` a layer
+and keeps this rank's slice (its Split's cut), so a model split over any Nm starts from exactly the
+weights of the unsplit model (Nm = 1) and trains to the same result. Built under `torch.device("meta")` a layer
 draws nothing; sharded construction (materialize.py) calls `reset_parameters()` one module at a
 time, so no more than one layer's full weight ever exists.
 torch's own tensor parallelism (`torch.distributed.tensor.parallel`) makes parameters DTensors,
