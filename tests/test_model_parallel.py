@@ -23,14 +23,15 @@ def batches():
     return [torch.randint(0, SHAPE["vocab_size"], (GLOBAL_BATCH, SEQ), generator=generator) for _ in range(STEPS)]
 
 
-def reference():
-    """The unsplit model, one process, torch.optim.AdamW on every global batch: losses and weights."""
+def reference(steps: int = STEPS):
+    """The unsplit model, one process, torch.optim.AdamW on the first `steps` global batches: losses
+    and weights."""
     from zero_ref.models import ParallelGPT
 
     model = ParallelGPT(**SHAPE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses = []
-    for tokens in batches():
+    for tokens in batches()[:steps]:
         loss = model(tokens)
         loss.backward()
         if CLIP is not None:
@@ -39,35 +40,6 @@ def reference():
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def my_slice(full_model, split_model) -> dict[str, torch.Tensor]:
-    """The unsplit model's values cut the way `split_model` (this MP rank's) holds them."""
-    from zero_ref.tensor_parallel import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        _split_rows,
-        group_rank,
-        group_size,
-    )
-
-    full = full_model if isinstance(full_model, dict) else full_model.state_dict()
-    out = {}
-    for name, module in split_model.named_modules():
-        prefix = f"{name}." if name else ""
-        size, rank = group_size(getattr(module, "group", None)), group_rank(getattr(module, "group", None))
-        if isinstance(module, ColumnParallelLinear):
-            parts = 3 if name.endswith("qkv") else 1
-            for p in ("weight", "bias"):
-                if prefix + p in full:
-                    out[prefix + p] = _split_rows(full[prefix + p], parts, size, rank)
-        elif isinstance(module, RowParallelLinear):
-            out[prefix + "weight"] = full[prefix + "weight"].chunk(size, dim=1)[rank]
-            out[prefix + "bias"] = full[prefix + "bias"]
-        elif isinstance(module, VocabParallelEmbedding):
-            out[prefix + "weight"] = full[prefix + "weight"].chunk(size, dim=0)[rank]
-    return {k: out.get(k, v) for k, v in full.items()}
 
 
 def _unwrap(name: str) -> str:
@@ -111,12 +83,9 @@ def run_steps(engine, dp, steps):
 def train_mp(rank: int, world: int, modes, stages, folder):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zero_ref.models import ParallelGPT
-
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "mp"))
     dp = mesh.get_group("dp")
-    ref_losses, ref_state = reference()
-    expected = my_slice(ref_state, ParallelGPT(**SHAPE, group=mesh.get_group("mp")))
+    ref_losses, expected = reference()   # full_state_dict is the unsplit model's under MP too
     out = {}
     for stage in stages:
         for mode in modes:

@@ -189,7 +189,8 @@ def _check_batch(args, world: int) -> None:
 
 def _consolidate_parser(sub) -> None:
     p = sub.add_parser("consolidate", help="glue a sharded checkpoint into one fp32 state dict (offline, CPU)")
-    p.add_argument("checkpoint", help="a checkpoint root (with `latest`) or one checkpoint folder")
+    p.add_argument("checkpoint", help="a checkpoint root (with `latest`), one checkpoint folder, or the folder a "
+                                      "model-parallel save was given (holding mp<r>-of-<Nm>/: the slices are joined)")
     p.add_argument("out", help="output folder: model.safetensors, and hf/ for a Hugging Face model")
 
 

@@ -138,7 +138,8 @@ class ZeroEngine(Engine):
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Give the model new values after initialize ({name: tensor of full shape}, the same on every
-        rank: a torch state_dict or what full_state_dict returned). Each rank copies its own pieces
+        rank: a torch state_dict or what full_state_dict returned; under model parallelism the
+        unsplit model's, or this MP rank's slices). Each rank copies its own pieces
         into the fp32 master weights, then the parameters are rewritten from them; the optimizer's
         moments and step counts are kept. The way to write values in bf16/fp16, where training reads
         the master, not the parameter (a write into `param.data` would be lost at the next step), and
@@ -153,8 +154,12 @@ class ZeroEngine(Engine):
                         ) -> dict[str, torch.Tensor]:
         """{name: fp32 tensor of full shape on `device`} for every parameter (a tied weight under each
         of its names) plus persistent buffers, from the fp32 master weights. Collective: every rank
-        calls it. Groups are gathered one at a time, so the engine's device holds at most one full
-        group beyond its shards; with `rank0_only` the other ranks return {} and hold no copy."""
+        calls it. Groups are gathered one at a time over the data-parallel group, so the engine's
+        device holds at most one full group beyond its shards; under model parallelism each split
+        parameter's slices are then all-gathered over the MP group and joined by its layer's split,
+        so the dict is the unsplit model's (io/model_parallel.py). With `rank0_only` only rank 0
+        returns the dict (under MP: DP and MP rank 0, global rank 0 in a mesh from init_device_mesh;
+        only its MP group holds a copy) and the others return {}."""
         self._open_collective_call("full_state_dict")
         self._adopt_param_writes()
         return state_dict_io.full_state_dict(self, rank0_only, torch.device(device))

@@ -109,15 +109,17 @@ class ParallelGPT(nn.Module):
 
         self.wpe.copy_(seeded_normal(self.wpe.shape, 0.01, self.wpe_seed))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        from .tensor_parallel import (
-            copy_to_model_parallel,
-            vocab_parallel_cross_entropy,
-        )
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """batch x seq x V/Nm: this MP rank's vocabulary slice of the logits (all of them unsplit)."""
+        from .tensor_parallel import copy_to_model_parallel
 
         x = self.wte(tokens) + self.wpe[:tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
-        logits = F.linear(copy_to_model_parallel(self.ln_f(x), self.group), self.wte.weight)
-        losses = vocab_parallel_cross_entropy(logits[:, :-1], tokens[:, 1:], self.wte.first, self.group)
+        return F.linear(copy_to_model_parallel(self.ln_f(x), self.group), self.wte.weight)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from .tensor_parallel import vocab_parallel_cross_entropy
+
+        losses = vocab_parallel_cross_entropy(self.logits(tokens)[:, :-1], tokens[:, 1:], self.wte.first, self.group)
         return losses.mean()

@@ -16,13 +16,18 @@ batch x seq x hidden in forward and one in backward. The vocabulary is split the
 embedding looks up only its rows (g sums the pieces) and the loss is computed on split logits
 without ever gathering them (`vocab_parallel_cross_entropy`).
 
-Parameters split across the group are marked (`is_model_parallel`); the others (layer norms, the
-row-parallel biases, position embeddings) are replicated, get identical gradients on every MP
-rank, and the engine counts them once in the global gradient norm.
+Parameters split across the group carry their `Split` (`split_of`, `is_model_parallel`): the
+dimension they are cut along and in how many blocks. It is the one description of a layer's split,
+used both ways: `Split.cut` gives an MP rank its slice of the full tensor (initialisation, and
+engine.load_state_dict of an unsplit state dict), `Split.join` puts every MP rank's slice back
+together (engine.full_state_dict, and `zero-ref consolidate`, which reads the splits from the
+checkpoint's manifest). The other parameters (layer norms, the row-parallel biases, position
+embeddings) are replicated, get identical gradients on every MP rank, and the engine counts them
+once in the global gradient norm.
 
 Each layer has a `seed`; `reset_parameters()` draws its weight full size on the CPU from that seed
-and keeps this rank's slice, so a model split over any Nm starts from exactly the weights of the
-unsplit model (Nm = 1) and trains to the same result. Built under `torch.device("meta")` a layer
+and keeps this rank's slice (its Split's cut), so a model split over any Nm starts from exactly the
+weights of the unsplit model (Nm = 1) and trains to the same result. Built under `torch.device("meta")` a layer
 draws nothing; sharded construction (materialize.py) calls `reset_parameters()` one module at a
 time, so no more than one layer's full weight ever exists.
 torch's own tensor parallelism (`torch.distributed.tensor.parallel`) makes parameters DTensors,
@@ -30,6 +35,8 @@ which cannot become views of the engine's flat buffers; these layers keep plain 
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,14 +46,44 @@ from torch.nn import functional as F
 _MODEL_PARALLEL = "_zero_ref_model_parallel"
 
 
+@dataclass(frozen=True)
+class Split:
+    """How a tensor is split across the Nm ranks of the MP group: along `dim`, whose extent is
+    `parts` equal blocks (a fused q/k/v weight: 3), each cut in Nm equal slices; MP rank r holds
+    slice r of every block, concatenated in block order. With parts=1, rank r holds the r-th
+    contiguous 1/Nm of `dim`."""
+    dim: int
+    parts: int = 1
+
+    def cut(self, full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+        """MP rank `rank`'s slice of `full` (a new contiguous tensor)."""
+        blocks = full.chunk(self.parts, dim=self.dim)
+        return torch.cat([b.chunk(size, dim=self.dim)[rank] for b in blocks], dim=self.dim).contiguous()
+
+    def join(self, slices: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every MP rank's slice, in MP rank order: the inverse of `cut`."""
+        per_rank = [s.chunk(self.parts, dim=self.dim) for s in slices]
+        return torch.cat([torch.cat([blocks[b] for blocks in per_rank], dim=self.dim) for b in range(self.parts)],
+                         dim=self.dim)
+
+    def full_shape(self, shape, size: int) -> tuple[int, ...]:
+        """The full tensor's shape, from the shape of one of `size` slices."""
+        return tuple(n * size if d == self.dim else n for d, n in enumerate(shape))
+
+
+def split_of(param: torch.Tensor) -> Split | None:
+    """How `param` is split across the model-parallel group (None: replicated, the same full
+    tensor on every MP rank)."""
+    return getattr(param, _MODEL_PARALLEL, None)
+
+
 def is_model_parallel(param: torch.Tensor) -> bool:
-    """True when `param` holds this rank's slice of a weight split across the model-parallel group
-    (False: the same full tensor on every MP rank)."""
-    return getattr(param, _MODEL_PARALLEL, False)
+    """True when `param` holds this rank's slice of a tensor split across the model-parallel group."""
+    return split_of(param) is not None
 
 
-def _mark(param: nn.Parameter) -> nn.Parameter:
-    setattr(param, _MODEL_PARALLEL, True)
+def _mark(param: nn.Parameter, split: Split) -> nn.Parameter:
+    setattr(param, _MODEL_PARALLEL, split)
     return param
 
 
@@ -100,13 +137,6 @@ def reduce_from_model_parallel(x: torch.Tensor, group) -> torch.Tensor:
 
 
 # --- layers ------------------------------------------------------------------------------------------
-def _split_rows(full: torch.Tensor, parts: int, size: int, rank: int) -> torch.Tensor:
-    """Rank `rank`'s rows of `full`, whose rows are `parts` blocks (e.g. q, k, v) each split in
-    `size` slices: the rank keeps slice `rank` of every block."""
-    blocks = full.chunk(parts, dim=0)
-    return torch.cat([b.chunk(size, dim=0)[rank] for b in blocks], dim=0).contiguous()
-
-
 def _check_divisible(what: str, value: int, size: int) -> None:
     if value % size:
         raise ValueError(f"{what} = {value} is not divisible by the model-parallel size {size}")
@@ -118,7 +148,7 @@ def seeded_normal(shape: tuple[int, int], std: float, seed: int) -> torch.Tensor
 
 
 class _SeededLayer(nn.Module):
-    """A layer whose weight is drawn full from its own seed and sliced by `_my_slice`."""
+    """A layer whose weight is drawn full from its own seed and cut by the weight's Split."""
 
     def _start(self, weight_shape: tuple[int, int], seed: int, std: float) -> None:
         self.full_shape, self.seed, self.std = weight_shape, seed, std
@@ -126,7 +156,7 @@ class _SeededLayer(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         full = seeded_normal(self.full_shape, self.std, self.seed)
-        self.weight.copy_(self._my_slice(full))
+        self.weight.copy_(split_of(self.weight).cut(full, group_size(self.group), group_rank(self.group)))
         if getattr(self, "bias", None) is not None:
             self.bias.zero_()
 
@@ -137,8 +167,9 @@ class _SeededLayer(nn.Module):
 
 class ColumnParallelLinear(_SeededLayer):
     """y = x W^T + b with W's output features split across the MP group: rank r holds rows
-    r/Nm of each of `parts` blocks (parts=3 keeps q, k and v heads together) and returns its slice
-    of y. Communicates in backward only (f: all-reduce of the input gradient)."""
+    r/Nm of each of `parts` blocks (parts=3 keeps q, k and v heads together), and the same rows
+    of b: Split(dim=0, parts) for both. Returns its slice of y. Communicates in backward only (f:
+    all-reduce of the input gradient)."""
 
     def __init__(self, in_features: int, out_features: int, group, seed: int, parts: int = 1,
                  std: float = 0.02, bias: bool = True):
@@ -146,12 +177,10 @@ class ColumnParallelLinear(_SeededLayer):
         self.group, self.parts, size = group, parts, group_size(group)
         _check_divisible("out_features / parts", out_features // parts, size)
         self._start((out_features, in_features), seed, std)
-        self.weight = _mark(nn.Parameter(torch.empty(out_features // size, in_features)))
-        self.bias = _mark(nn.Parameter(torch.empty(out_features // size))) if bias else None
+        rows = Split(dim=0, parts=parts)
+        self.weight = _mark(nn.Parameter(torch.empty(out_features // size, in_features)), rows)
+        self.bias = _mark(nn.Parameter(torch.empty(out_features // size)), rows) if bias else None
         self._initialise()
-
-    def _my_slice(self, full: torch.Tensor) -> torch.Tensor:
-        return _split_rows(full, self.parts, group_size(self.group), group_rank(self.group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_model_parallel(x, self.group), self.weight, self.bias)
@@ -159,28 +188,26 @@ class ColumnParallelLinear(_SeededLayer):
 
 class RowParallelLinear(_SeededLayer):
     """y = x W^T + b with W's input features split across the MP group: rank r holds columns r/Nm
-    and takes its slice of x (a column-parallel layer's output); the partial products are summed
-    (g: one all-reduce in forward), then the replicated bias is added."""
+    (Split(dim=1)) and takes its slice of x (a column-parallel layer's output); the partial products
+    are summed (g: one all-reduce in forward), then the replicated bias is added."""
 
     def __init__(self, in_features: int, out_features: int, group, seed: int, std: float = 0.02):
         super().__init__()
         self.group, size = group, group_size(group)
         _check_divisible("in_features", in_features, size)
         self._start((out_features, in_features), seed, std)
-        self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // size)))
+        self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // size)), Split(dim=1))
         self.bias = nn.Parameter(torch.empty(out_features))
         self._initialise()
-
-    def _my_slice(self, full: torch.Tensor) -> torch.Tensor:
-        return full.chunk(group_size(self.group), dim=1)[group_rank(self.group)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return reduce_from_model_parallel(F.linear(x, self.weight), self.group) + self.bias
 
 
 class VocabParallelEmbedding(_SeededLayer):
-    """An embedding whose vocabulary rows are split across the MP group: each rank looks up the
-    tokens in its range (zeros elsewhere) and g sums the pieces (one all-reduce in forward)."""
+    """An embedding whose vocabulary rows are split across the MP group (Split(dim=0): rank r holds
+    rows [r V/Nm, (r+1) V/Nm)): each rank looks up the tokens in its range (zeros elsewhere) and g
+    sums the pieces (one all-reduce in forward)."""
 
     def __init__(self, vocab_size: int, dim: int, group, seed: int, std: float = 0.02):
         super().__init__()
@@ -189,11 +216,8 @@ class VocabParallelEmbedding(_SeededLayer):
         self.rows = vocab_size // size
         self.first = group_rank(group) * self.rows
         self._start((vocab_size, dim), seed, std)
-        self.weight = _mark(nn.Parameter(torch.empty(self.rows, dim)))
+        self.weight = _mark(nn.Parameter(torch.empty(self.rows, dim)), Split(dim=0))
         self._initialise()
-
-    def _my_slice(self, full: torch.Tensor) -> torch.Tensor:
-        return full[self.first:self.first + self.rows]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.first

@@ -47,6 +47,7 @@ from .manifest import (STATE_KINDS, CheckpointError, build_manifest, canonical_n
                        persistent_buffers, piece_index, read_manifest, seal)
 from ..core.precision import LossScaler
 from ..guard.refusals import gather_refusals, refuse_together
+from .model_parallel import join_sub_checkpoints, refuse_lone_slice, sub_checkpoints
 from .state_dict import write_model_state
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "consolidate", "resolve", "read_manifest"]
@@ -276,8 +277,30 @@ def resolve(path: str | os.PathLike) -> Path:
 def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Offline, on CPU, with no process group: glue a checkpoint's pieces into a full fp32 state
     dict, write it to `out/model.safetensors`, and for a Hugging Face model also a
-    `save_pretrained` folder `out/hf`. Returns the state dict."""
-    folder = resolve(path)
+    `save_pretrained` folder `out/hf`. Returns the state dict. A checkpoint saved under model
+    parallelism (`path` holds one sub-checkpoint per MP rank, `mp<r>-of-<Nm>`) is glued sub-checkpoint
+    by sub-checkpoint, then each split parameter's slices are joined by the split its manifest
+    records (model_parallel.py): `out` holds the unsplit model."""
+    path = Path(path)
+    subs = [] if (path / "manifest.json").is_file() or (path / "latest").is_file() else sub_checkpoints(path)
+    if subs:
+        glued = [_glue(resolve(sub)) for sub in subs]
+        manifest, state = glued[0][0], join_sub_checkpoints(subs, glued)
+    else:
+        folder = resolve(path)
+        manifest, state = _glue(folder)
+        refuse_lone_slice(folder, manifest)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / "model.safetensors",
+                  lambda tmp: save_file({k: v.clone().contiguous() for k, v in state.items()}, str(tmp)))
+    if manifest["hf"] is not None:
+        _save_pretrained(manifest["hf"], state, out / "hf")
+    return state
+
+
+def _glue(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One checkpoint folder's (manifest, full fp32 state dict in the model's state_dict order)."""
     manifest = read_manifest(folder)
     handles = {f["rank"]: _open_verified(folder, f) for f in manifest["files"]}
     where = piece_index(manifest)
@@ -293,14 +316,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, to
     for b in manifest["buffers"]:
         tensor = handles[0].get_tensor(f"buffer/{b['name']}")
         values[b["name"]] = tensor.float() if tensor.is_floating_point() else tensor
-    state = {key: values[key] for key in manifest["state_keys"] if key in values}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "model.safetensors",
-                  lambda tmp: save_file({k: v.clone().contiguous() for k, v in state.items()}, str(tmp)))
-    if manifest["hf"] is not None:
-        _save_pretrained(manifest["hf"], state, out / "hf")
-    return state
+    return manifest, {key: values[key] for key in manifest["state_keys"] if key in values}
 
 
 def _save_pretrained(hf: dict, state: dict[str, torch.Tensor], folder: Path) -> None:

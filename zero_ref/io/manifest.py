@@ -4,10 +4,13 @@ The manifest records the format, world size, stage and dtype, every trainable pa
 name, aliases, shape), its AdamW step count, the parameter groups (names and hyper-parameters, as a
 learning-rate schedule left them) and, when given, the lr scheduler's state (in a JSON form that
 keeps its Python types: `to_json`), the bucket order stages 0-2 learned, the frozen parameters and
-buffers, which rank's file holds which piece of which parameter, and each file's
-size and sha256. It is sealed with its own sha256, so any edit is caught; `validate_manifest` then
-checks every field (a resealed edit must still describe a consistent checkpoint), and
-`check_matches_model` that it describes the model being loaded into.
+buffers, which rank's file holds which piece of which parameter, each file's size and sha256,
+and under model parallelism this rank's place in the MP group and how each split parameter is cut
+("model_parallel": {"rank", "size", "splits": {name: [dim, parts]}}, tensor_parallel.Split), so that
+`consolidate` can join the MP ranks' sub-checkpoints with no process group. It is sealed with its
+own sha256, so any edit is caught; `validate_manifest` then checks every field (a resealed edit
+must still describe a consistent checkpoint), and `check_matches_model` that it describes the
+model being loaded into.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from ..config import DTYPES
 from ..core.param_groups import check_hyper
+from ..tensor_parallel import split_of
 
 FORMAT_VERSION = 2
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -153,8 +157,17 @@ def build_manifest(engine, names: dict[int, str], files: list[dict], order: list
         "buffers": [{"name": n, "shape": list(b.shape)} for n, b in persistent_buffers(engine.module)],
         "state_keys": list(engine.module.state_dict(keep_vars=True).keys()),
         "param_order": None if order is None else [names[id(trainable[k])] for k in order],
-        "files": files, "hf": hf, **state,
+        "files": files, "hf": hf, "model_parallel": _model_parallel(engine), **state,
     }
+
+
+def _model_parallel(engine) -> dict | None:
+    """The manifest's "model_parallel" field: None without model parallelism."""
+    if engine.mp_comm is None:
+        return None
+    splits = {name: [split.dim, split.parts] for name, param in engine.module.named_parameters(remove_duplicate=False)
+              if (split := split_of(param)) is not None}
+    return {"rank": engine.mp_comm.rank, "size": engine.mp_comm.world_size, "splits": splits}
 
 
 def digest(manifest: dict) -> str:
@@ -227,6 +240,13 @@ def validate_manifest(m: dict) -> None:
     need(groups is None or (listed is not None and sorted(listed) == sorted(numels) and all(
         isinstance(g.get("hyper"), dict) and _valid_hyper(g["hyper"]) for g in groups)), "param_groups")
     need(m.get("lr_scheduler") is None or _decodes_to_dict(m["lr_scheduler"]), "lr_scheduler")
+    shapes = {name: p["shape"] for p in m["params"] for name in [p["name"], *p["aliases"]]}
+    shapes.update({x["name"]: x["shape"] for x in m["frozen"]})
+    mp = m.get("model_parallel")   # absent in checkpoints written before it was recorded
+    need(mp is None or (isinstance(mp, dict) and count(mp.get("size")) and count(mp.get("rank"))
+                        and mp["rank"] < mp["size"] and isinstance(mp.get("splits"), dict)
+                        and all(name in shapes and _valid_split(split, shapes[name], count)
+                                for name, split in mp["splits"].items())), "model_parallel")
     files = m.get("files")
     need(isinstance(files, list) and len(files) == m["world_size"], "files")
     covered = {name: [] for name in numels}
@@ -277,6 +297,12 @@ def _valid_hyper(hyper: dict) -> bool:
     except (ValueError, TypeError, KeyError):
         return False
     return True
+
+
+def _valid_split(split, shape: list[int], count) -> bool:
+    """Whether a saved [dim, parts] can cut a slice of `shape`: a dimension it has, in equal blocks."""
+    return (isinstance(split, list) and len(split) == 2 and all(count(v) for v in split)
+            and split[0] < len(shape) and split[1] >= 1 and shape[split[0]] % split[1] == 0)
 
 
 def _decodes_to_dict(saved) -> bool:
