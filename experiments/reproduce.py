@@ -94,9 +94,9 @@ def _comm_volume(out: Path, quick: bool, quiet: bool) -> dict:
 
 
 def _walkthrough(out: Path, quick: bool, quiet: bool) -> dict:
-    from experiments.timeline import run
+    from experiments.timeline_report import run_study
 
-    return run(out, quick, quiet)
+    return run_study(out, quick, quiet)
 
 
 def _convergence(out: Path, quick: bool, quiet: bool) -> dict:
