@@ -252,6 +252,13 @@ def run(out: Path, bench_json: Path | None = None, quiet: bool = False, *, model
     return {"headline": headline, "meta": meta}
 
 
+def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
+    """The reproduce entry: ``run`` over every model and Nd of ``NDS``; ``quick``: GPT-2 S at four Nd."""
+    if quick:
+        return run(out, None, quiet, models=("S",), nds=(1, 4, 64, 1024))
+    return run(out, None, quiet)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "scaling_curves")
