@@ -1,6 +1,6 @@
 """The largest batch per rank that fits a memory budget, found on meta tensors (no memory used).
 
-A timed run's model and engine (throughput.build_engine) run three steps as one rank of a fake
+A timed run's model and engine (run_spec.build_engine) run three steps as one rank of a fake
 process group (at_scale.fake_world) under alloc_trace's recorder: every allocation the rank would
 make, and when it would free it. The budget is checked against the peak of live bytes (the CPU's
 measure, exact there) or, for a GPU held to the budget, against the caching-allocator model's
@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from experiments.throughput import RunSpec, build_engine
+from experiments.run_spec import RunSpec, build_engine
 
 
 def step_trace(spec: RunSpec, nd: int, batch: int):

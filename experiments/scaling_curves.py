@@ -48,6 +48,7 @@ import torch
 from tqdm import tqdm
 
 from experiments.provenance import ROOT, provenance
+from experiments.scaling_curves_report import plots, write_report
 from zero_ref.analysis import memory_model as mm
 from zero_ref.analysis.at_scale import fake_world, padding_bound
 from zero_ref.analysis.collective_count import CountCollectives
@@ -241,8 +242,6 @@ def run(out: Path, bench_json: Path | None = None, quiet: bool = False, *, model
     swept = time.perf_counter() - swept
     at_scale = at_scale.sort_values(["model", "stage", "nd"], ignore_index=True, key=_model_order)
     at_scale.to_csv(out / "scaling_at_scale.csv", index=False)
-    from experiments.scaling_curves_report import plots, write_report
-
     check = compare_real(real, at_scale) if real is not None else None
     psi_nd = PSI_ND if PSI_ND in nds else max(nds)
     written = plots(out, at_scale, real, psi_nd)
@@ -253,6 +252,13 @@ def run(out: Path, bench_json: Path | None = None, quiet: bool = False, *, model
     headline = write_report(out, at_scale, real, check, psi_nd, meta)
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return {"headline": headline, "meta": meta}
+
+
+def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
+    """The reproduce entry: ``run`` over every model and Nd of ``NDS``; ``quick``: GPT-2 S at four Nd."""
+    if quick:
+        return run(out, None, quiet, models=("S",), nds=(1, 4, 64, 1024))
+    return run(out, None, quiet)
 
 
 def main(argv: list[str] | None = None) -> dict:

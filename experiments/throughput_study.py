@@ -30,7 +30,7 @@ import pandas as pd
 
 from experiments import calibrate
 from experiments.batch_search import max_batch, step_peak_bytes
-from experiments.throughput import RunSpec
+from experiments.run_spec import RunSpec
 from experiments.throughput import main as throughput_main
 from zero_ref.analysis import perf_model as pm
 

@@ -26,17 +26,12 @@ What is read from the trace (nothing is timed by hand):
 `trace(stages)` runs the ranks and returns each stage's raw traces; `rows_of(raw)` turns one rank's
 trace into the step's story (one row per phase, computation, collective and buffer event);
 `check(rows, stage)` lists what contradicts what the walkthrough shows (gather before use and free
-after, reductions during backward, regather after the update). experiments/timeline_report.py draws
-and writes the results; experiments/explain.py prints the rows.
-
-    python -m experiments.timeline --out results/walkthrough
+after, reductions during backward, regather after the update). Two front ends read them, and this
+module imports neither: experiments/timeline_report.py (the walkthrough study: it traces, draws and
+writes results/walkthrough) and experiments/explain.py (prints the rows).
 """
 
 from __future__ import annotations
-
-import argparse
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -374,23 +369,3 @@ def _check_regathers(rows: list[dict], reductions: list[dict], regathers: list[d
                         "its update")
     return problems
 
-
-def run(out: Path, quick: bool = False, quiet: bool = False) -> dict:
-    """The reproduce entry: trace stages 0-3 and write results/walkthrough (see timeline_report.py).
-    `quick` changes nothing: the whole study takes about 20 s."""
-    from experiments.timeline_report import write
-
-    start = time.perf_counter()
-    traces = trace()
-    return write(Path(out), traces, quick, time.perf_counter() - start, quiet)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="results/walkthrough")
-    args = parser.parse_args(argv)
-    run(Path(args.out))
-
-
-if __name__ == "__main__":
-    main()

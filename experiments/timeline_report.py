@@ -1,4 +1,7 @@
-"""results/walkthrough from the traces of experiments/timeline.py: CSVs, a figure per stage, REPORT.md.
+"""The walkthrough study: traces a step per stage with experiments/timeline.py and writes results/walkthrough
+(CSVs, a figure per stage, REPORT.md).
+
+    python -m experiments.timeline_report --out results/walkthrough
 
 Per stage N: `timeline_stage{N}.csv` (the rows of `timeline.rows_of`, both ranks), `memory_stage{N}.csv`
 (bytes alive on each rank at every allocation and free of the step), `timeline_stage{N}.png`;
@@ -8,13 +11,15 @@ paper's model-state formula, elements moved, the checks); REPORT.md and meta.jso
 
 from __future__ import annotations
 
+import argparse
 import json
+import time
 from pathlib import Path
 
 import pandas as pd
 
 from experiments.provenance import provenance
-from experiments.timeline import BLOCK_NUMEL, HIDDEN, ROWS_PER_RANK, UNITS, check, rows_of
+from experiments.timeline import BLOCK_NUMEL, HIDDEN, ROWS_PER_RANK, UNITS, check, rows_of, trace
 from zero_ref.config import STAGE_NAMES
 from zero_ref.analysis.memory_model import comm_volume_elements, model_state_bytes
 
@@ -257,3 +262,21 @@ def _shown(f: dict) -> list[str]:
     said.append("Checks: " + ("all hold on every rank." if not problems else "VIOLATED: " + "; ".join(problems)))
     return said
 
+
+def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
+    """The reproduce entry: trace stages 0-3 and write ``out``. ``quick`` changes nothing: the study
+    is short (its time is in meta.json)."""
+    start = time.perf_counter()
+    traces = trace()
+    return write(Path(out), traces, quick, time.perf_counter() - start, quiet)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="results/walkthrough")
+    args = parser.parse_args(argv)
+    run_study(Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

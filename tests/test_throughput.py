@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from experiments import batch_search, calibrate, paper_projection
+from experiments import batch_search, calibrate, paper_projection, run_spec
 from experiments import throughput as tp
 from experiments.paper_values import paper_runs
 from zero_ref.analysis import perf_model as pm
@@ -97,7 +97,7 @@ def runs(tmp_path_factory):
 
 def test_a_timed_run_reports_phases_rates_memory_and_traffic(runs):
     row = runs["stage3"]
-    spec = tp.RunSpec(layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=3, stage=3)
+    spec = run_spec.RunSpec(layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=3, stage=3)
     assert row["tflops_per_rank"] == pytest.approx(spec.flops()["total"] / row["median_step_s"] / 1e12)
     assert row["samples_per_s"] == pytest.approx(3 * 2 / row["median_step_s"])
     assert row["forward_s"] + row["backward_s"] + row["step_s"] <= row["median_step_s"] * 3
@@ -143,7 +143,7 @@ def test_megatron_all_reduces_per_block(runs):
 
 
 def test_largest_batch_grows_as_pos_g_shards_the_states():
-    spec = tp.RunSpec(layers=2, hidden=64, heads=4, seq=32, vocab=2048, stage=2)
+    spec = run_spec.RunSpec(layers=2, hidden=64, heads=4, seq=32, vocab=2048, stage=2)
     budget = batch_search.step_peak_bytes(spec, 1, 2) * 1.01
     fits = [batch_search.max_batch(spec, nd, budget) for nd in (1, 2, 4)]
     assert fits[0] == 2 and fits[0] < fits[1] < fits[2]
@@ -165,7 +165,7 @@ def test_a_cuda_budget_counts_what_the_caching_allocator_reserves():
     """Held to a budget, a CUDA run needs the allocator's rounded, cached segments, not only the
     bytes it asks for: the search by the allocator model picks a smaller batch, and that batch is
     the largest the model gets through."""
-    spec = tp.RunSpec(layers=2, hidden=64, heads=4, seq=32, vocab=2048, stage=2)
+    spec = run_spec.RunSpec(layers=2, hidden=64, heads=4, seq=32, vocab=2048, stage=2)
     budget = batch_search.step_peak_bytes(spec, 1, 8, steady=False) * 1.01
     by_bytes = batch_search.max_batch(spec, 1, budget, steady=False)
     by_allocator = batch_search.max_batch(spec, 1, budget, allocator=True)
