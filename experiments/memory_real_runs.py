@@ -54,7 +54,7 @@ from zero_ref.analysis import memory_model as mm
 from zero_ref.analysis.at_scale import ModelShape, fake_world
 from zero_ref.config import ZeroConfig
 from zero_ref.core.partition import pack_into_buckets
-from zero_ref.core.stage3 import build_units
+from zero_ref.core.units import build_units
 
 BF16 = 2
 

@@ -1,51 +1,45 @@
 """Stage 3 (Pos+g+p): optimizer states, gradients and parameters sharded.
 
-Sharded: everything. The model is cut into units (subtrees of modules, see `build_units`); each
-unit's parameters are one flat group padded to a multiple of Nd, and rank r keeps only shard r of
-it: 16Ψ/Nd bytes of model state per rank. A unit's full parameters exist only while it computes.
-
-Each unit is in one of three states (`UnitState`): FREED (its full buffer has no storage; the
-parameters are views of it, of the right shape, with no data), GATHERING (an all-gather into the
-buffer is in flight) or GATHERED.
+Sharded: everything. The model is cut into units (subtrees of modules, `build_units`); each unit's
+parameters are one flat group padded to a multiple of Nd, and rank r keeps only shard r of it:
+16Ψ/Nd bytes of model state per rank. A unit's full parameters exist only while something holds
+them: each `Unit` has a state (FREED: its full buffer has no storage, the parameters are views of
+it with no data; GATHERING: an all-gather into it is in flight; GATHERED) and a set of named
+reasons it is held (`Hold`). It is gathered when the first reason appears and freed in one place,
+`_drop`, when the last one goes.
 
 Communicated, per micro-batch (paper Sec 7.2.2):
 1. forward: just before a unit's root module runs, the unit is all-gathered into its full buffer
-   (Ψ elements over the whole forward), following the gather schedule that every rank shares
+   (Ψ elements over the whole forward), following the gather schedule every rank shares
    (gather_schedule.py: gathers pair up by position, so ranks whose modules run in other orders
-   must still issue the same ones); the next `prefetch` units of the schedule are gathered
-   asynchronously; a unit is freed again when its root returns (a unit used twice in one forward
-   is kept until the forward ends). A forward that raises on some ranks raises on every rank, at
-   its end: the schedule's last round tells every rank whose forward raised;
+   must still issue the same ones); the next `prefetch` units of the schedule are gathered ahead.
+   A unit is freed when its root returns (one used twice in a forward is kept until it ends). A
+   forward that raises on some ranks raises on every rank, at its end;
 2. backward: a hook on each unit root's outputs gathers the unit again before the root's backward
-   (Ψ elements, following the backward schedule); when every gradient of a unit has arrived its
-   parameters are freed and its gradients are reduce-scattered (averaged) into this rank's
-   gradient shard in pieces of at most one bucket, the constant-size buffers CB (Ψ elements),
-   in the reverse of the forward schedule on every rank;
+   (Ψ elements, following the backward schedule); once every gradient of a unit has arrived it is
+   freed and its gradients are reduce-scattered (averaged) into this rank's gradient shard in
+   pieces of at most one bucket, the constant-size buffers CB (Ψ elements), in the reverse of the
+   forward schedule on every rank;
 3. step: each rank updates its shard; nothing is gathered until the next forward.
 Total 3Ψ, 1.5x plain data parallelism.
 
 Freeing resizes the storage of the unit's full buffer to zero bytes: the parameters stay views of
-that buffer (same Parameter objects and shapes), so autograd's saved references see the regathered
-values in backward. A parameter used outside the module that owns it (`F.linear(h,
-self.embed.weight)` in a parent's forward; DeepSpeed calls them external parameters) is noticed by
-a torch-function watcher during forward and backward, gathered on the spot, and from then on
-gathered with the unit root whose forward used it. A view of a unit's buffer that autograd does not
-track (`param.detach()`) keeps the unit gathered for the rest of the forward and the next backward.
+it (same Parameter objects and shapes), so autograd's saved references see the regathered values
+in backward. Reads outside a unit's window (a parameter used outside its module, an untracked
+view) are the guard's to see (guard/unit_reads.py); it asks the stage to gather through
+`external_use`, `keep_for_alias` and `before_node`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import functools
 import sys
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
-from .comm import Comm
 from ..config import ZeroConfig
+from .comm import Comm
 from .gather_schedule import GatherSchedule
 from .grad_buffers import ShardedGradBuckets
 from .grad_hooks import GroupArrivals, register_grad_hooks
@@ -53,55 +47,21 @@ from .in_flight import SideStream
 from .labels import label
 from .partition import GroupLayout, bind_params_to, copy_params_into, make_group
 from .stage_base import Stage
-
-
-def build_units(model: nn.Module, trainable: list[nn.Parameter], unit_numel: int
-                ) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """Cut the model into units, walking modules children-first: a module whose subtree holds at
-    least `unit_numel` not-yet-assigned trainable elements becomes the root of a unit holding them;
-    the model itself takes whatever is left. A parameter shared by several modules (a tied weight)
-    is only taken by a module whose subtree contains all of its users, so one gather serves them
-    all (GPT-2's wte/lm_head land in the model's own unit). A container that is never called
-    (nn.ModuleList, nn.ModuleDict: no forward of its own) roots no unit, since its hooks never run:
-    its leftovers go up to the module that calls its children."""
-    wanted = {id(p) for p in trainable}
-    users: dict[int, set[int]] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            users.setdefault(id(p), set()).add(id(module))
-    assigned: set[int] = set()
-    units = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            visit(child)
-        subtree = {id(m) for m in module.modules()}
-        params = [p for p in module.parameters()
-                  if id(p) in wanted and id(p) not in assigned and users[id(p)] <= subtree]
-        callable_root = type(module).forward is not nn.Module.forward
-        if params and (module is model or (callable_root and sum(p.numel() for p in params) >= unit_numel)):
-            units.append((module, params))
-            assigned.update(id(p) for p in params)
-
-    visit(model)
-    return units
+from .units import Hold, Unit, UnitState, build_units, module_name, output_tensors
 
 
 FOREIGN_BACKWARD = (
     "stage 3: a backward outside this engine's engine.backward(loss) reached one of its modules, whose "
-    "parameters that backward needs gathered. Either loss.backward() was called instead of "
-    "engine.backward(loss), or this model's output is part of a loss that another engine (or plain autograd) "
-    "differentiates, as a GAN's discriminator is in the generator's loss, or torch.autograd.grad ran through "
-    "it (a gradient penalty, a saliency map: stage 3 frees the parameters such a gradient needs, and a "
-    "gradient of a gradient would hold them past the forward). At stage 3 a model takes part in "
-    "backward only through its own engine.backward: put both models in one engine, or give this one stage "
-    "0-2 (frozen with requires_grad_(False) for that backward, it then needs nothing; stages 0-2 also take "
-    "torch.autograd.grad, create_graph included). The gradients "
-    "accumulated since the last step are not usable: engine.zero_grad() discards them")
+    "parameters that backward needs gathered: loss.backward() instead of engine.backward(loss), a loss "
+    "another engine (or plain autograd) differentiates through this model (a GAN's discriminator), or "
+    "torch.autograd.grad through it (a gradient penalty). At stage 3 a model takes part in backward only "
+    "through its own engine.backward: put both models in one engine, or give this one stage 0-2 (which "
+    "also take torch.autograd.grad, create_graph included). The gradients accumulated since the last step "
+    "are not usable: engine.zero_grad() discards them")
 
 
 def _internal(method):
-    """Mark a hook body as the stage's own code, which the external-use watcher does not watch."""
+    """Mark a hook body as the stage's own code, which a guard's watcher does not watch."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         self.internal += 1
@@ -110,12 +70,6 @@ def _internal(method):
         finally:
             self.internal -= 1
     return wrapper
-
-
-class UnitState(enum.Enum):
-    FREED = "freed"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
 
 
 class Stage3(Stage):
@@ -127,10 +81,9 @@ class Stage3(Stage):
                  materializer=None):
         super().__init__(trainable, config, comm)
         self.model = model
-        units = build_units(model, trainable, config.bucket_numel)
-        self.groups = [make_group(params, self.world_size) for _, params in units]
+        roots = build_units(model, trainable, config.bucket_numel)
+        self.groups = [make_group(params, self.world_size) for _, params in roots]
         self.layout = GroupLayout(self.groups)
-        self.unit_names = [_module_name(model, root) for root, _ in units]
 
         # Keep only this rank's shard of each unit; the full buffers start freed. A model on the
         # meta device (sharded construction) hands over each module's values as they are made.
@@ -154,24 +107,22 @@ class Stage3(Stage):
         self.grad_shards = [self.layout.shard_slice(self.flat_grad_shard, g) for g in range(len(self.groups))]
         self.optimizer = self._make_optimizer(self.param_shards)
 
-        self.state = [UnitState.FREED] * len(self.groups)
-        self.gathered_version = [0] * len(self.groups)   # _unit_version once gathered
-        self.written_while_gathered: str | None = None  # a unit written in place while gathered, since the step
-        self.pending: dict[int, object] = {}     # unit -> its all-gather in flight
-        self.scratch: list = []                  # (buffer, gather) for gathers of a unit already held
-        self.users = [0] * len(self.groups)      # unit roots inside their forward using the unit
-        self.frames: list[tuple[nn.Module, list[int]]] = []   # running unit roots, innermost last
-        self.unit_of_root = {id(root): g for g, (root, _) in enumerate(units)}
+        self.units = [Unit(module_name(model, root), full) for (root, _), full in zip(roots, self.full_params)]
+        self.unit_of_root = {id(root): g for g, (root, _) in enumerate(roots)}
         self.unit_of_param = {id(p): g for g, group in enumerate(self.groups) for p in group.params}
+        self.unit_of_storage = {full.untyped_storage()._cdata: g for g, full in enumerate(self.full_params)}
         self.slot = {id(p): (g, i) for g, group in enumerate(self.groups) for i, p in enumerate(group.params)}
+        self.frames: list[tuple[nn.Module, list[int]]] = []   # running unit roots, innermost last
         self.external: dict[int, set[int]] = {}  # id(module) -> units it uses outside their roots
         self.used_this_pass: set[int] = set()
-        self.reused: set[int] = set()            # units a forward uses twice: kept until it ends
-        self.unit_of_storage = {full.untyped_storage()._cdata: g for g, full in enumerate(self.full_params)}
-        self.aliased: set[int] = set()           # units a view made in this forward shares: kept until it ends
-        self.pinned: set[int] = set()            # ... and in a graph: gathered for the whole next backward
+        self.reused: set[int] = set()            # units a forward uses twice: held to the end of each forward
+        self.pinned: set[int] = set()            # units with an untracked view in the graph: held in backward
         self.retaining = False                   # the backward running keeps its graph (retain_graph)
+        self.written_while_gathered: str | None = None   # a unit written in place while gathered, since the step
+        self.scratch: list = []                  # (buffer, gather) for gathers of a unit already held
+        self.gathering: set[int] = set()         # units whose gather is in flight
         self.error_before_forward = None         # the exception being handled when the forward began
+        self.internal = 0                        # > 0 while the stage's own code runs
         self.gather_stream = SideStream(self.device)
         self.shards_written = None               # CUDA event: this rank's shards are up to date
         self.forward_schedule = GatherSchedule(comm, self._issue_gather, config.prefetch)
@@ -180,9 +131,8 @@ class Stage3(Stage):
                                           config.overlap, config.bucket_numel,
                                           may_block=self.device.type == "cuda" or comm.backend == "fake")
         self.arrivals = GroupArrivals(self.groups, self.buckets.reduce_scatter)
-        self.internal = 0                        # > 0 while the stage's own code runs (a guard's watcher ignores it)
         self.hooks = register_grad_hooks(trainable, self._after_grad, self._before_grad)
-        for module in [model, *[root for root, _ in units if root is not model]]:
+        for module in [model, *[root for root, _ in roots if root is not model]]:
             self.hooks.append(module.register_forward_pre_hook(self._enter))
             self.hooks.append(module.register_forward_hook(self._exit, always_call=True))
         self._mark_shards_written()
@@ -196,74 +146,96 @@ class Stage3(Stage):
             self.param_shards[g][a - lo:b - lo].copy_(param.detach().reshape(-1)[a - start:b - start])
         param.untyped_storage().resize_(0)
 
-    # --- gather and free ---------------------------------------------------------------------------
+    # --- a unit's lifetime: gathered with its first hold, freed with its last ------------------------
     def _issue_gather(self, g: int) -> None:
-        """Start gathering unit g (called by the gather schedules, in the same order on every rank)."""
+        """Start gathering unit g (called by the gather schedules, in the same order on every rank);
+        it is held until used (forward) or for the backward."""
+        unit = self.units[g]
         self.gather_stream.wait_event(self.shards_written)
         with self.gather_stream.on():
-            if self.state[g] is UnitState.FREED:
+            if unit.state is UnitState.FREED:
                 with label("zero_ref::gather unit", g):   # profiler labels only
-                    full = self.full_params[g]
-                    full.untyped_storage().resize_(full.numel() * full.element_size())
-                    self.pending[g] = self.comm.all_gather(full, self.param_shards[g], async_op=True, channel="gather")
-                self.state[g] = UnitState.GATHERING
+                    unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
+                    unit.gather = self.comm.all_gather(unit.full, self.param_shards[g], async_op=True, channel="gather")
+                unit.state = UnitState.GATHERING
+                self.gathering.add(g)
             else:   # held here, but a peer needs it: take part, into a scratch buffer
                 with label("zero_ref::gather unit", g, "scratch"):
-                    scratch = torch.empty_like(self.full_params[g])
+                    scratch = torch.empty_like(unit.full)
                     self.scratch.append((scratch, self.comm.all_gather(scratch, self.param_shards[g], async_op=True,
                                                                        channel="gather")))
+        self._hold(g, Hold.BACKWARD if self.in_backward else Hold.SCHEDULED)
 
-    def is_freed(self, g: int) -> bool:
-        return self.state[g] is UnitState.FREED
+    def _hold(self, g: int, reason: Hold) -> None:
+        holds = self.units[g].holds
+        holds[reason] = holds[reason] + 1 if reason is Hold.RUNNING else 1
 
-    def _gather_for_backward(self, g: int) -> None:
-        """Make unit g gathered here in backward, through the backward schedule (held or not)."""
-        self.backward_schedule.acquire(g, held=not self.is_freed(g))
-        self._wait(g)
-
-    def _wait(self, g: int) -> None:
-        if self.state[g] is UnitState.GATHERING:
-            self.pending.pop(g).wait()
-            self.state[g] = UnitState.GATHERED
-            self.gathered_version[g] = self._unit_version(g)
-            if self.device.type == "cuda":   # allocated on the gather stream, used on this one
-                self.full_params[g].record_stream(torch.cuda.current_stream(self.device))
-
-    def _free(self, g: int) -> None:
-        self._wait(g)
-        if self.state[g] is UnitState.GATHERED:
-            if self._unit_version(g) != self.gathered_version[g] and self.written_while_gathered is None:
-                self.written_while_gathered = self.unit_names[g]   # lost with the buffer: the step refuses
+    def _drop(self, g: int, reason: Hold) -> None:
+        """Unit g is no longer held for `reason`: the one place a unit is freed, when no reason is left."""
+        unit = self.units[g]
+        if unit.holds[reason] > 0:
+            unit.holds[reason] -= 1
+        if unit.state is not UnitState.FREED and not +unit.holds:
+            self.wait_for(g)
+            if self._unit_version(g) != unit.version and self.written_while_gathered is None:
+                self.written_while_gathered = unit.name   # lost with the buffer: the step refuses
             with label("zero_ref::free unit", g):
-                self.full_params[g].untyped_storage().resize_(0)
-            self.state[g] = UnitState.FREED
+                unit.full.untyped_storage().resize_(0)
+            unit.state = UnitState.FREED
 
-    def _free_unused(self) -> None:
-        for g in range(len(self.groups)):
-            if self.users[g] == 0:
-                self._free(g)
+    def _end_pass(self, *reasons: Hold) -> None:
+        """A forward or backward is over: drop its reasons from every unit, and let peers' gathers finish."""
+        for g, unit in enumerate(self.units):
+            for reason in reasons:
+                unit.holds[reason] = 0
+            self._drop(g, Hold.RUNNING if unit.holds[Hold.RUNNING] else reasons[0])
         while self.scratch:
             self.scratch.pop()[1].wait()
 
-    def _acquire(self, g: int) -> None:
-        """Make unit g gathered here, through this pass's schedule; count one more user in forward."""
-        if self.in_backward:
-            schedule = self.backward_schedule
-        else:
-            schedule = self.forward_schedule
-            if g in self.used_this_pass and self.state[g] is UnitState.FREED:
-                self.reused.add(g)   # used again after its release: keep it for the rest of each forward
-            self.used_this_pass.add(g)
-        schedule.acquire(g, held=self.state[g] is not UnitState.FREED)
-        self._wait(g)
-        self.users[g] += 1
+    def wait_for(self, g: int) -> None:
+        """Wait until unit g's gather in flight, if any, has arrived."""
+        unit = self.units[g]
+        if unit.state is UnitState.GATHERING:
+            unit.gather.wait()
+            unit.gather, unit.state = None, UnitState.GATHERED
+            self.gathering.discard(g)
+            unit.version = self._unit_version(g)
+            if self.device.type == "cuda":   # allocated on the gather stream, used on this one
+                unit.full.record_stream(torch.cuda.current_stream(self.device))
 
-    def _release(self, g: int) -> None:
-        self.users[g] -= 1
-        # In backward (activation-checkpoint recomputation) the unit stays for the backward that
-        # follows: _after_grad frees it once its gradients are in.
-        if self.users[g] == 0 and not self.in_backward and g not in self.reused and g not in self.aliased:
-            self._free(g)
+    def is_freed(self, g: int) -> bool:
+        return self.units[g].state is UnitState.FREED
+
+    def is_running(self, g: int) -> bool:
+        """Whether a running unit root holds unit g."""
+        return self.units[g].holds[Hold.RUNNING] > 0
+
+    def gathers_in_flight(self) -> bool:
+        return bool(self.gathering)
+
+    def _acquire(self, g: int) -> None:
+        """A root about to run needs unit g: gather it through this pass's schedule, and hold it
+        while the root runs (in backward, a recomputation, until its gradients are in too)."""
+        if self.in_backward:
+            self.backward_schedule.acquire(g, held=not self.is_freed(g))
+            self._hold(g, Hold.BACKWARD)
+        else:
+            if g in self.used_this_pass and self.is_freed(g):
+                self.reused.add(g)   # used again after its release: from now on kept to the end of each forward
+            self.used_this_pass.add(g)
+            self.forward_schedule.acquire(g, held=not self.is_freed(g))
+            if g in self.reused:
+                self._hold(g, Hold.FORWARD)
+        self.wait_for(g)
+        self._hold(g, Hold.RUNNING)
+        self._drop(g, Hold.SCHEDULED)
+
+    def _gather_for_backward(self, g: int) -> None:
+        """Unit g is needed by this backward: gathered through the backward schedule, held until its
+        gradients are in."""
+        self.backward_schedule.acquire(g, held=not self.is_freed(g))
+        self._hold(g, Hold.BACKWARD)
+        self.wait_for(g)
 
     # --- forward: one pair of hooks per unit root, and the model's --------------------------------
     @_internal
@@ -276,9 +248,7 @@ class Stage3(Stage):
             self.error_before_forward = sys.exc_info()[1]   # a forward may run inside an except clause
         units = [g for g in (self.unit_of_root.get(id(module)),) if g is not None]
         units += sorted(self.external.get(id(module), ()))
-        # If an acquire raises, _exit releases the units acquired before it; if a collective failed,
-        # the engine is done and _exit touches nothing.
-        for g in units:
+        for g in units:   # if one raises, _exit releases those acquired before it
             self._acquire(g)
             acquired.append(g)
 
@@ -288,7 +258,7 @@ class Stage3(Stage):
         if self.comm.failed:   # a gather of this forward failed: the engine cannot go on, so no more collectives
             return
         for g in units:
-            self._release(g)
+            self._drop(g, Hold.RUNNING)
         if torch.is_grad_enabled() and units:
             for tensor in output_tensors(output):
                 if tensor.requires_grad:
@@ -313,17 +283,15 @@ class Stage3(Stage):
     def _end_forward(self, failed: bool = False) -> None:
         first = not self.forward_schedule.learned
         self.forward_schedule.finish(failed)
-        self._free_unused()
-        self.aliased.clear()
+        self._end_pass(Hold.SCHEDULED, Hold.FORWARD)
         if first:   # reduce in the reverse of the (agreed) forward order, on every rank
             entries = self.forward_schedule.entries
             self.arrivals.set_order(entries[::-1] + [g for g in range(len(self.groups)) if g not in entries])
 
     def external_use(self, param: nn.Parameter) -> None:
-        """`param` is used outside its unit's root: in a forward, while no running unit root holds its
-        unit (which may be freed, in flight, or still gathered after an earlier use), or in backward
-        while its unit is freed. Gather the unit now and, from now on, with the innermost running unit
-        root (the model's, at least), which also gathers it again before its own backward."""
+        """`param` is used outside its unit's root: in a forward, while no running root holds its unit,
+        or in backward while its unit is freed. Gather the unit now and, from now on, with the
+        innermost running root (the model's, at least), whose backward then gathers it too."""
         g = self.unit_of_param[id(param)]
         if self.frames:
             module, units = self.frames[-1]
@@ -335,7 +303,7 @@ class Stage3(Stage):
         else:
             name = next(n for n, p in self.model.named_parameters() if p is param)
             raise RuntimeError(
-                f"stage 3: parameter {name} (unit {self.unit_names[g]}) was read in the engine's forward but outside "
+                f"stage 3: parameter {name} (unit {self.units[g].name}) was read in the engine's forward but outside "
                 "the model's, where no unit is gathered: a forward hook on the model itself registered after "
                 "zero_ref.initialize runs after stage 3 has freed every unit, and a forward pre-hook on it registered "
                 "before initialize runs before the first gather. Register the model's forward hooks before "
@@ -343,11 +311,9 @@ class Stage3(Stage):
 
     def keep_for_alias(self, g: int) -> None:
         """A tensor autograd does not track shares unit g's full buffer (`param.detach()`, `.data`, a
-        view taken under no_grad). Wherever it goes it reads that buffer: later in this forward, and in
-        backward if it enters the graph, where the unit's gradients arriving would free the buffer
-        first. So the unit stays gathered until this forward ends and, if grad is enabled, for the
-        whole next backward."""
-        self.aliased.add(g)
+        view taken under no_grad): the unit stays gathered until this forward ends and, if grad is
+        enabled, through the whole next backward (where its gradients arriving would free it first)."""
+        self._hold(g, Hold.FORWARD)
         if torch.is_grad_enabled():
             self.pinned.add(g)
 
@@ -367,7 +333,7 @@ class Stage3(Stage):
                 self.check_in_backward(FOREIGN_BACKWARD)
                 self._gather_for_backward(g)
             else:
-                self._wait(g)
+                self.wait_for(g)
 
     @_internal
     def _before_grad(self, param: nn.Parameter) -> None:
@@ -381,8 +347,8 @@ class Stage3(Stage):
         g, i = self.slot[id(param)]
         self.buckets.add(g, i, param)
         self.arrivals.arrive(g, i)
-        if self.arrivals.missing[g] == 0 and self.users[g] == 0 and g not in self.pinned:
-            self._free(g)   # every use of this unit in backward is done
+        if self.arrivals.missing[g] == 0:
+            self._drop(g, Hold.BACKWARD)   # every use of this unit in backward is done
         self.buckets.harvest()
 
     @_internal
@@ -391,6 +357,7 @@ class Stage3(Stage):
         self.backward_schedule.begin()
         for g in sorted(self.pinned):   # an untracked view of the unit may be read anywhere in this backward
             self._gather_for_backward(g)
+            self._hold(g, Hold.PINNED)
 
     @_internal
     def end_backward(self, boundary: bool, failed: bool = False) -> None:
@@ -398,12 +365,12 @@ class Stage3(Stage):
         self.backward_schedule.finish()
         self.arrivals.flush()
         self.buckets.drain()
-        self._free_unused()
+        self._end_pass(Hold.BACKWARD, Hold.PINNED)
         if not self.retaining:
             self.pinned.clear()
 
     def run_backward(self, loss: torch.Tensor, retain_graph: bool, autograd=torch.autograd.backward) -> None:
-        self.retaining = retain_graph   # units pinned for backward stay so for the next one too
+        self.retaining = retain_graph   # units pinned for this backward stay so for the next one too
         autograd(loss, retain_graph=retain_graph)
 
     # --- step --------------------------------------------------------------------------------------
@@ -427,8 +394,8 @@ class Stage3(Stage):
     # --- writes into the parameters from outside the engine ------------------------------------------
     # A parameter has values only while its unit is gathered, and the gathered buffer is freed after
     # use, so an in-place write inside the forward (nn.Embedding(max_norm=...) renormalises the rows
-    # its batch looks up) is lost, while the gradients were computed from the written values: the
-    # step refuses it on every rank (param_writes.py).
+    # its batch looks up) is lost, while the gradients were computed from the written values: a
+    # guard refuses the step (guard/param_writes.py).
     def _unit_version(self, g: int) -> int:
         """torch's count of in-place writes into unit g's parameters, summed (each only grows)."""
         return sum(param._version for param in self.groups[g].params)
@@ -442,22 +409,3 @@ class Stage3(Stage):
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [self.flat_param_shard, *self.full_params], "grads": [self.flat_grad_shard],
                 "optimizer_states": self.optimizer.state_tensors(), "comm_buffers": self.buckets.buffers()}
-
-
-def _module_name(model: nn.Module, module: nn.Module) -> str:
-    return next((name or "<model>" for name, m in model.named_modules() if m is module), "?")
-
-
-def output_tensors(output) -> list[torch.Tensor]:
-    """The tensors in a unit root's output, through lists, tuples and dicts (torch's pytree, which
-    also knows Hugging Face's ModelOutput) and dataclasses: each gets the hook that gathers the unit
-    before its backward. A tensor hidden anywhere else misses it (guard/unit_reads.py then gathers
-    the unit from the backward nodes that read it)."""
-    found, pending = [], [output]
-    while pending:
-        for leaf in tree_flatten(pending.pop())[0]:
-            if isinstance(leaf, torch.Tensor):
-                found.append(leaf)
-            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-                pending.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))
-    return found

@@ -46,12 +46,12 @@ class ExternalUseWatcher(TorchFunctionMode):
         if stage.internal or func in METADATA:   # the stage's own code; or no element read (torch's MemTracker
             return func(*args, **kwargs)          # asks each module's parameters for their storages)
         in_forward = bool(stage.frames) and not stage.in_backward
-        if in_forward or stage.pending:
+        if in_forward or stage.gathers_in_flight():
             params = list(self._unit_params(args, kwargs))
             if in_forward:   # a unit that no running root holds: its use is outside that root
-                self._use_outside([p for p in params if stage.users[stage.unit_of_param[id(p)]] == 0])
+                self._use_outside([p for p in params if not stage.is_running(stage.unit_of_param[id(p)])])
             for param in params:
-                stage._wait(stage.unit_of_param[id(param)])
+                stage.wait_for(stage.unit_of_param[id(param)])
         try:
             result = func(*args, **kwargs)
         except RuntimeError:
