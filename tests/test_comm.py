@@ -30,7 +30,7 @@ def reduce_scatter_three_ways(rank: int, world: int, dtype: torch.dtype) -> list
         original, own = full.clone(), full[rank * chunk:(rank + 1) * chunk]
         with CountCollectives() as counter:
             pending = comm.reduce_scatter(own, full, async_op=True)   # in place: own chunk of `full`
-        polled = pending.watch().settle(60.0)
+        polled = pending.settle(60.0)
         pending.wait()
         after_first = own.clone()
         pending.wait()   # a second wait must leave the result as it is

@@ -5,6 +5,9 @@
   against 4.5 ms for this, medians of 30, torch 2.13). Here it is one all-to-all and a local sum
   (`reduce_scatter_by_all_to_all`); the element counter below the engine
   (analysis/collective_count.py) is told that this all-to-all is a reduce-scatter (`counted_as`).
+* Completion: gloo's own reduce-scatter never reports it before a wait (`Work.is_completed()` stays
+  False, torch 2.13); its all-to-all does, so stage 3's reducer can poll the reductions in flight
+  without a waiting thread (in_flight.Pending.settle).
 * An fp16 average: gloo sums in fp16 before dividing, so gradients whose mean fits fp16 overflowed at
   world 2 (a loss-scaled 2 * 16384). The all-reduce divides first, as torch's DDP does
   (`divide_first`); the reduce-scatter sums in fp32.

@@ -171,8 +171,7 @@ class ShardedGradBuckets:
     without it (stage 3 on gloo, where an unbounded host wait could deadlock against a peer that
     first needs a parameter gather from this rank, or a gather round) every reduction is issued
     asynchronously, even without `overlap`; finished reductions are harvested as gradients
-    arrive (`harvest`: a background thread waits for each, since gloo tells no one else that a
-    reduce-scatter is done), a launch past `max_in_flight` (0 without `overlap`) waits at most
+    arrive (`harvest`), a launch past `max_in_flight` (0 without `overlap`) waits at most
     `patience_s` for the oldest (after one such wait runs out, none more until `drain`), and
     `drain()` waits for the rest. So the buffers stay at max_in_flight + 1 unless a reduction takes longer than
     `patience_s` (ranks out of step, a very slow link).
@@ -277,8 +276,6 @@ class ShardedGradBuckets:
             while len(self.in_flight) > self.max_in_flight:
                 self._finish_oldest()
         else:
-            if pending is not None:
-                pending.watch()   # a waiter thread: `settle` below waits on it, `harvest` polls it
             self.harvest()
             # Give the oldest reduction a moment to finish, so that its buffer is reused rather than
             # a new one made; never longer than `patience_s`, so a peer that first needs a gather

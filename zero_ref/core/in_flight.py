@@ -10,13 +10,16 @@ collective itself (comm.py creates the groups with the timeout).
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from datetime import timedelta
 
 import torch
 
 from .labels import label
+
+
+POLL_S = 2e-4
+"""How often `Pending.settle` asks whether a collective has finished."""
 
 
 class CollectiveError(RuntimeError):
@@ -29,11 +32,9 @@ class Pending:
     `timeout_s=None` (NCCL), only makes the current CUDA stream wait; a failure becomes a
     CollectiveError naming the collective.
 
-    `done()` asks the backend whether the collective has finished, without blocking. Some gloo work
-    never says so until someone waits for it (its native reduce-scatter's `Work.is_completed()` stays
-    False, measured on torch 2.13, though the data arrives), and `settle()` needs something to wait
-    on for a bounded time, so a caller that polls calls `watch()` first: a background thread then
-    waits, and `done()` turns True when that wait returns.
+    `done()` asks the backend whether the collective has finished, without blocking; `settle()`
+    polls it for a bounded time. (gloo's native reduce-scatter never reports completion before a
+    wait, measured on torch 2.13; the collectives zero-ref issues on gloo all do: gloo.py.)
 
     `then`, if given, runs once on the caller's thread after the first wait that succeeds: the part
     of a collective done locally once the data has arrived (the sum of a reduce-scatter made of an
@@ -46,23 +47,6 @@ class Pending:
         self.on_failure = on_failure
         self.then = then   # run once, on the waiting thread, after the first wait that succeeds
         self.seq = seq   # the collective's number on its Comm (pairs the wait with the issue in a trace)
-        self._watcher: threading.Thread | None = None
-        self._watch_error: BaseException | None = None
-
-    def watch(self) -> "Pending":
-        """Have a background thread wait for the collective, so that `done()` can tell when it has
-        finished on a backend that does not report it (host waits only: NCCL's are stream waits)."""
-        if self._watcher is None and self.timeout_s is not None:
-            self._watcher = threading.Thread(target=self._wait_in_background, daemon=True,
-                                             name=f"zero_ref wait {self.what.split()[0]}")
-            self._watcher.start()
-        return self
-
-    def _wait_in_background(self) -> None:
-        try:
-            self.work.wait(timedelta(seconds=self.timeout_s))
-        except BaseException as err:   # reported by wait(), on the caller's thread
-            self._watch_error = err
 
     def wait(self) -> None:
         # the label lets a profiler tell time spent waiting on communication, by kind, from compute
@@ -70,13 +54,7 @@ class Pending:
         started = time.monotonic()
         try:
             with label("zero_ref.wait", self.what.split()[0], *(() if self.seq is None else (f"#{self.seq}",))):
-                if self._watcher is not None:
-                    self._watcher.join(self.timeout_s)
-                    if self._watcher.is_alive():
-                        raise RuntimeError(f"no result after {self.timeout_s:g} s")
-                    if self._watch_error is not None:
-                        raise self._watch_error
-                elif self.timeout_s is None:
+                if self.timeout_s is None:
                     self.work.wait()
                 else:
                     self.work.wait(timedelta(seconds=self.timeout_s))
@@ -98,18 +76,17 @@ class Pending:
             then()
 
     def settle(self, seconds: float) -> bool:
-        """Wait at most `seconds` for the collective (watched: see `watch`); True once it has finished.
-        Never raises: a failure is reported by `wait`. Labelled "zero_ref.wait <kind> settle" (no
-        number: the collective's own wait comes later), so a profile counts this time as waiting."""
-        if self._watcher is not None:
-            with label("zero_ref.wait", self.what.split()[0], "settle"):
-                self._watcher.join(seconds)
+        """Wait at most `seconds` for the collective; True once it has finished. Never raises: a
+        failure is reported by `wait`. Labelled "zero_ref.wait <kind> settle" (no number: the
+        collective's own wait comes later), so a profile counts this time as waiting."""
+        deadline = time.monotonic() + seconds
+        with label("zero_ref.wait", self.what.split()[0], "settle"):
+            while not self.done() and time.monotonic() < deadline:
+                time.sleep(POLL_S)
         return self.done()
 
     def done(self) -> bool:
-        """True once the collective has finished (never blocks); see `watch`."""
-        if self._watcher is not None:
-            return not self._watcher.is_alive()
+        """True once the collective has finished (never blocks)."""
         return self.work.is_completed()
 
 

@@ -6,11 +6,13 @@ storage: a crash or garbage, not an error. So stage 3 makes each of its paramete
 `ShardedParameter` (still an `nn.Parameter`, same object): a torch operation that would read a
 freed one raises a RuntimeError that names it, while operations that only look at metadata (shape,
 dtype, `.grad`, hooks) work as on any parameter, and a gathered one behaves as a plain Parameter.
-Inside forward and backward, stage 3's watcher catches that error and gathers the unit
-(`_ExternalUseWatcher`); anywhere else it reaches the user.
+Inside the engine's forward and backward the parameters are plain (`plain`): stage 3's watcher
+checks each read there itself and gathers the unit (unit_reads.py).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -78,10 +80,27 @@ class FreedParameterError(RuntimeError):
             "model whose stage-3 engine was closed keeps no values: build it again.")
 
 
-def mark_sharded(model: nn.Module, params) -> None:
-    """Make each of ``params`` (parameters of ``model``) a ShardedParameter, named."""
+def mark_sharded(model: nn.Module, params) -> list[nn.Parameter]:
+    """Make each of ``params`` (parameters of ``model``) a ShardedParameter, named; returns those it
+    marked (a parameter of another subclass keeps its class)."""
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    marked = []
     for param in params:
         if type(param) is nn.Parameter:
             param.__class__ = ShardedParameter
+            marked.append(param)
         param.zero_ref_name = names.get(id(param), "?")
+    return marked
+
+
+@contextlib.contextmanager
+def plain(marked: list[nn.Parameter]):
+    """Inside the engine's forward and backward the watcher (unit_reads.py) checks every read of a
+    parameter itself, so the parameters are plain there: no check of their own on every operation."""
+    for param in marked:
+        param.__class__ = nn.Parameter
+    try:
+        yield
+    finally:
+        for param in marked:
+            param.__class__ = ShardedParameter

@@ -29,7 +29,7 @@ import contextlib
 from ..core.seams import Seams
 from . import ownership, param_writes, step_failures
 from .same_everywhere import check_same_everywhere
-from .sharded_param import mark_sharded
+from .sharded_param import mark_sharded, plain
 from .unit_reads import ExternalUseWatcher, run_autograd
 
 HYPER_INVALID = ("{n} of {everyone} ranks hold invalid hyper-parameters in engine.optimizer.param_groups (a bad value, "
@@ -50,6 +50,7 @@ class Strict(Seams):
         self.discarded_mid_step = False  # zero_grad() dropped gradients of this step's earlier micro-batches
         self.boundary_unchecked = False  # a backward reached a step boundary and no vote followed yet
         self.watcher: ExternalUseWatcher | None = None
+        self.marked: list = []           # stage 3: the parameters that say so when read while freed
 
     def setup(self, engine, build_groups, refusal, from_meta):
         return check_same_everywhere(engine.module, engine.comm, engine.config, build_groups, refusal,
@@ -57,7 +58,7 @@ class Strict(Seams):
 
     def started(self, engine) -> None:
         if engine.stage.params_sharded:   # reading a freed one raises instead of reading past its storage
-            mark_sharded(engine.module, engine.stage.trainable)
+            self.marked = mark_sharded(engine.module, engine.stage.trainable)
             self.watcher = ExternalUseWatcher(engine.stage)
         ownership.take(engine, engine.module)
         engine.stage.note_param_writes()
@@ -68,14 +69,19 @@ class Strict(Seams):
             engine.comm.announce(call)
 
     def forward_context(self, engine):
-        return self.watcher or contextlib.nullcontext()
+        return self._watching() if self.watcher is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _watching(self):
+        with plain(self.marked), self.watcher:
+            yield
 
     def run_backward(self, engine, loss, retain_graph) -> None:
         self.boundary_unchecked = engine.at_boundary
         if self.watcher is None:
             engine.stage.run_backward(loss, retain_graph)
             return
-        with self.watcher:   # entered below Tensor.backward, so it stays on in hooks (unit_reads.run_autograd)
+        with self._watching():   # entered below Tensor.backward, so it stays on in hooks (unit_reads.run_autograd)
             engine.stage.run_backward(loss, retain_graph, autograd=run_autograd)
 
     def forward_raised(self, engine) -> None:

@@ -29,11 +29,10 @@ class ExternalUseWatcher(TorchFunctionMode):
     A result that shares a unit's buffer without autograd tracking it (`param.detach()`) keeps the
     unit gathered (`Stage3.keep_for_alias`). Each backward node such an operation makes gathers the
     units it reads if they are freed when it runs (`Stage3.before_node`). In backward (hooks, custom
-    Functions), an operation on a parameter of a freed unit fails (sharded_param.ShardedParameter
-    raises rather than read a storage with no data); the stage gathers the unit and the operation
-    runs again. While any gather is in flight, the watcher first
-    waits for those among the arguments. Calls that only look at a parameter's metadata (shape,
-    `.grad`, hooks, its storage: sharded_param.METADATA) pass untouched.
+    Functions), an operation on a parameter of a freed unit gathers the unit first. Every operation
+    waits for the gathers in flight of the parameters it reads. Calls that read no parameter, or
+    only a parameter's metadata (shape, `.grad`, hooks, its storage: sharded_param.METADATA), pass
+    untouched.
     """
 
     def __init__(self, stage):
@@ -45,25 +44,21 @@ class ExternalUseWatcher(TorchFunctionMode):
         stage = self.stage
         if stage.internal or func in METADATA:   # the stage's own code; or no element read (torch's MemTracker
             return func(*args, **kwargs)          # asks each module's parameters for their storages)
+        params = self._unit_params(args, kwargs)
+        if not params:   # the common case: nothing of a unit is read (an untracked view of one is kept already)
+            return func(*args, **kwargs)
         in_forward = bool(stage.frames) and not stage.in_backward
-        if in_forward or stage.gathers_in_flight():
-            params = list(self._unit_params(args, kwargs))
-            if in_forward:   # a unit that no running root holds: its use is outside that root
-                self._use_outside([p for p in params if not stage.is_running(stage.unit_of_param[id(p)])])
-            for param in params:
-                stage.wait_for(stage.unit_of_param[id(param)])
-        try:
-            result = func(*args, **kwargs)
-        except RuntimeError:
-            freed = [p for p in self._unit_params(args, kwargs)
-                     if stage.is_freed(stage.unit_of_param[id(p)])]
-            if not freed:
-                raise
-            self._use_outside(freed)
-            result = func(*args, **kwargs)
+        unit_of = stage.unit_of_param
+        if in_forward:   # a unit that no running root holds: its use is outside that root
+            self._use_outside([p for p in params if not stage.is_running(unit_of[id(p)])])
+        else:            # in backward (a hook, a custom Function), or outside the model's forward
+            self._use_outside([p for p in params if stage.is_freed(unit_of[id(p)])])
+        for param in params:
+            stage.wait_for(unit_of[id(param)])
+        result = func(*args, **kwargs)
         if in_forward:
             self._keep_aliased(result)
-            if params and torch.is_grad_enabled():
+            if torch.is_grad_enabled():
                 self._hook_nodes(result, params)
         return result
 
@@ -101,12 +96,11 @@ class ExternalUseWatcher(TorchFunctionMode):
                 if g is not None:
                     self.stage.keep_for_alias(g)
 
-    def _unit_params(self, args, kwargs):
+    def _unit_params(self, args, kwargs) -> list[nn.Parameter]:
         """The stage-3 parameters among the arguments (and inside list or tuple arguments)."""
-        for arg in (*args, *kwargs.values()):
-            for item in (arg if isinstance(arg, (list, tuple)) else (arg,)):
-                if isinstance(item, nn.Parameter) and id(item) in self.stage.unit_of_param:
-                    yield item
+        unit_of = self.stage.unit_of_param
+        return [item for arg in (*args, *kwargs.values()) for item in (arg if isinstance(arg, (list, tuple)) else (arg,))
+                if isinstance(item, nn.Parameter) and id(item) in unit_of]
 
 
 def run_autograd(loss: torch.Tensor, retain_graph: bool) -> None:
