@@ -211,7 +211,7 @@ def test_edits_the_update_would_ignore_are_refused_on_every_rank():
 def test_the_adamw_options_refused_are_all_that_change_torchs_update():
     """ADAMW_FIXED holds every torch.optim.AdamW option beyond lr, betas, eps and weight_decay, at
     torch's default, but those that choose how torch computes: a new one in torch shows here."""
-    from zero_ref.core.param_groups import ADAMW_FIXED, HYPER_KEYS
+    from zero_ref.param_groups import ADAMW_FIXED, HYPER_KEYS
 
     defaults = torch.optim.AdamW([nn.Parameter(torch.zeros(1))]).defaults
     how = ("foreach", "fused", "capturable", "differentiable")

@@ -49,7 +49,7 @@ def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.Process
     `param_groups` takes torch's form, `[{"params": [...], "weight_decay": 0.0}, ...]`: every trainable
     parameter in exactly one group, each group setting any of lr, betas, eps, weight_decay (the
     config's values otherwise). `engine.optimizer` exposes them as a torch Optimizer, so torch's
-    lr_scheduler classes drive the learning rate (core/param_groups.py).
+    lr_scheduler classes drive the learning rate (param_groups.py).
     """
     if not isinstance(config, ZeroConfig):
         raise TypeError(f"config must be a zero_ref.ZeroConfig, got {type(config).__name__}")

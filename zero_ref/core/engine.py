@@ -37,7 +37,7 @@ from .comm import Comm, CommLedger
 from .grad_stats import GradStats, StepVote
 from .in_flight import CollectiveError
 from .labels import label
-from .param_groups import ZeroOptimizer, build_groups
+from ..param_groups import ZeroOptimizer, build_groups
 from .precision import LossScaler
 from .seams import Seams
 from .stage0 import Stage0

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..core.comm import Comm
 from ..config import ZeroConfig
-from ..core.param_groups import HYPER_KEYS
+from ..param_groups import HYPER_KEYS
 from .refusals import gather_refusals, raise_refusals
 
 

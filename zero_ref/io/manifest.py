@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..config import DTYPES
-from ..core.param_groups import check_hyper
+from ..param_groups import check_hyper
 from ..tensor_parallel import split_of
 
 FORMAT_VERSION = 2
