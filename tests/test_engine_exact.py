@@ -1,5 +1,6 @@
 """Every stage at world sizes 1-4 trains exactly like single-process torch.optim.AdamW (fp32),
-with gradient clipping and with gradient accumulation, and moves 2Ψ (stages 0-2) or 3Ψ (stage 3)."""
+with gradient clipping and with gradient accumulation, guarded (checks="strict") or bare
+(checks="off"), and moves 2Ψ (stages 0-2) or 3Ψ (stage 3)."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ VARIANTS = {
     "plain": dict(bucket_numel=50, overlap=True),
     "clip": dict(grad_clip=0.5, overlap=False),
     "accum3": dict(grad_accum_steps=3, bucket_numel=200),
+    "plain, checks off": dict(bucket_numel=50, overlap=True, checks="off"),   # the bare core: as exact
 }
 
 

@@ -153,14 +153,14 @@ def _run_ddp(rank: int, world: int, arch: str, group) -> dict:
             "state": final if rank == 0 else None, "moved": _max_diff(final, initial)}
 
 
-def _run_engine(rank: int, world: int, arch: str, stage: int, group, save: str | None) -> dict:
+def _run_engine(rank: int, world: int, arch: str, stage: int, group, save: str | None, checks: str = "strict") -> dict:
     """The engine on the same batches; rank 0 also computes the logits of a fresh model of the
     architecture (other initial values) loaded with full_state_dict(), to compare consolidation with."""
     import zero_ref
     from zero_ref.models import lm_loss
 
     config = zero_ref.ZeroConfig(stage=stage, lr=LR, weight_decay=WEIGHT_DECAY, bucket_numel=20_000, kernels="torch",
-                                 comm_timeout_s=60)
+                                 comm_timeout_s=60, checks=checks)
     engine = zero_ref.initialize(build(arch), config, process_group=group)
     losses = []
     for tokens in _batches(rank, world):
@@ -253,6 +253,7 @@ def _all_cases(rank: int, world: int, folder: str) -> dict:
     for arch in ARCHS:
         results[("ddp", 3, arch)] = _run_ddp(rank, 3, arch, None)
         results[("zero", 3, arch, 3)] = _run_engine(rank, 3, arch, 3, None, ckpt(arch, 3))
+        results[("zero off", 3, arch, 3)] = _run_engine(rank, 3, arch, 3, None, None, checks="off")
     if rank == 0:   # every checkpoint is complete by now (see _consolidate for why rank 0)
         for arch in ARCHS:
             for w in sorted(SAVE):
@@ -291,6 +292,15 @@ def test_world2_every_stage_equals_ddp(runs, arch):
         worst[stage] = f"loss {loss_diff:.1e} weights {weight_diff:.1e}"
         assert loss_diff <= ATOL and weight_diff <= ATOL, (stage, loss_diff, weight_diff)
     print(f"\n{arch} world 2, max |engine - DDP| by stage: {worst} (weights moved {ddp[0]['moved']:.1e})")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_world3_stage3_with_checks_off_is_the_same_run(runs, arch):
+    """The bare core (checks="off": no watcher, no vote beyond the norm's) trains these models as the
+    guarded engine does, to the bit: the guard only checks, it never changes a number."""
+    guarded, bare = runs[("zero", 3, arch, 3)], runs[("zero off", 3, arch, 3)]
+    assert [g["losses"] for g in guarded] == [b["losses"] for b in bare]
+    assert all(torch.equal(guarded[0]["state"][k], bare[0]["state"][k]) for k in guarded[0]["state"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
