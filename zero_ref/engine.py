@@ -16,12 +16,16 @@ from torch import nn
 
 from . import materialize
 from .config import ZeroConfig
+from .core.activations import model_checkpoints
 from .core.engine import Engine
 from .core.seams import Seams
 from .guard import ownership, param_writes
 from .guard.strict import Strict
 from .io import checkpoint
 from .io import state_dict as state_dict_io
+
+
+MEMORY_CATEGORIES = ("params", "grads", "optimizer_states", "buffers", "comm_buffers")
 
 
 def initialize(model: nn.Module, config: ZeroConfig, process_group: dist.ProcessGroup | None = None,
@@ -101,8 +105,8 @@ def _take(model: nn.Module, config: ZeroConfig, process_group, init_fn, state_di
 
 class ZeroEngine(Engine):
     """The engine `initialize` returns: core/engine.Engine (forward, backward, step, zero_grad,
-    memory_report, comm_stats, close) with whole-model state dicts and sharded checkpoints. Usable
-    as a context manager that `close()`s it."""
+    comm_stats, close) with whole-model state dicts, sharded checkpoints and the memory report.
+    Usable as a context manager that `close()`s it."""
 
     def _open_collective_call(self, call: str, discarding: bool = False) -> None:
         """The start of a collective call that training does not make (core/comm.CALLS); with
@@ -163,6 +167,33 @@ class ZeroEngine(Engine):
         self._open_collective_call("full_state_dict")
         self._adopt_param_writes()
         return state_dict_io.full_state_dict(self, rank0_only, torch.device(device))
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of live tensor storage on this rank by category (each storage counted once):
+        params, grads, optimizer_states (the paper's model states), buffers (the model's),
+        comm_buffers (constant-size gradient buckets kept for reuse: the paper's CB),
+        activation_checkpoints (saved block inputs now alive, activations.py) and their total;
+        activation_checkpoints_host: checkpoints offloaded to host memory (Pa+cpu), not in total;
+        activation_checkpoints_arena: the part of those two held in MD's contiguous arenas."""
+        tensors = self.stage.memory_tensors()
+        tensors["params"] = [*tensors["params"], *self.frozen]
+        tensors["buffers"] = list(self.module.buffers())
+        seen: set[int] = set()
+        report = {}
+        for category in MEMORY_CATEGORIES:
+            total = 0
+            for tensor in tensors[category]:
+                storage = tensor.untyped_storage()
+                if storage._cdata not in seen:
+                    seen.add(storage._cdata)
+                    total += storage.nbytes()
+            report[category] = total
+        saved = model_checkpoints(self.module)
+        report["activation_checkpoints"] = sum(c.device_bytes for c in saved)
+        report["total"] = sum(report.values())
+        report["activation_checkpoints_host"] = sum(c.host_bytes for c in saved)
+        report["activation_checkpoints_arena"] = sum(c.arena.nbytes() for c in saved if c.arena is not None)
+        return report
 
     def _adopt_param_writes(self) -> None:
         """Before the masters are read: values written into the parameters from outside the engine

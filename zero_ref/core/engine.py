@@ -32,7 +32,6 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..config import ZeroConfig
-from .activations import model_checkpoints
 from .comm import Comm, CommLedger
 from .grad_stats import GradStats, StepVote
 from .in_flight import CollectiveError
@@ -45,9 +44,6 @@ from .stage1 import Stage1
 from .stage2 import Stage2
 from .stage3 import Stage3
 from .stage_base import Stage
-
-MEMORY_CATEGORIES = ("params", "grads", "optimizer_states", "buffers", "comm_buffers")
-
 
 class Engine:
     """Trains one model with ZeRO stage `config.stage` over a data-parallel process group
@@ -308,33 +304,6 @@ class Engine:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of live tensor storage on this rank by category (each storage counted once):
-        params, grads, optimizer_states (the paper's model states), buffers (the model's),
-        comm_buffers (constant-size gradient buckets kept for reuse: the paper's CB),
-        activation_checkpoints (saved block inputs now alive, activations.py) and their total;
-        activation_checkpoints_host: checkpoints offloaded to host memory (Pa+cpu), not in total;
-        activation_checkpoints_arena: the part of those two held in MD's contiguous arenas."""
-        tensors = self.stage.memory_tensors()
-        tensors["params"] = [*tensors["params"], *self.frozen]
-        tensors["buffers"] = list(self.module.buffers())
-        seen: set[int] = set()
-        report = {}
-        for category in MEMORY_CATEGORIES:
-            total = 0
-            for tensor in tensors[category]:
-                storage = tensor.untyped_storage()
-                if storage._cdata not in seen:
-                    seen.add(storage._cdata)
-                    total += storage.nbytes()
-            report[category] = total
-        saved = model_checkpoints(self.module)
-        report["activation_checkpoints"] = sum(c.device_bytes for c in saved)
-        report["total"] = sum(report.values())
-        report["activation_checkpoints_host"] = sum(c.host_bytes for c in saved)
-        report["activation_checkpoints_arena"] = sum(c.arena.nbytes() for c in saved if c.arena is not None)
-        return report
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Elements moved per rank by collective kind, for the last step and cumulatively, counted

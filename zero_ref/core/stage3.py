@@ -32,7 +32,6 @@ view) are the guard's to see (guard/unit_reads.py); it asks the stage to gather 
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import torch
@@ -47,29 +46,7 @@ from .in_flight import SideStream
 from .labels import label
 from .partition import GroupLayout, bind_params_to, copy_params_into, make_group
 from .stage_base import Stage
-from .units import Hold, Unit, UnitState, build_units, module_name, output_tensors
-
-
-FOREIGN_BACKWARD = (
-    "stage 3: a backward outside this engine's engine.backward(loss) reached one of its modules, whose "
-    "parameters that backward needs gathered: loss.backward() instead of engine.backward(loss), a loss "
-    "another engine (or plain autograd) differentiates through this model (a GAN's discriminator), or "
-    "torch.autograd.grad through it (a gradient penalty). At stage 3 a model takes part in backward only "
-    "through its own engine.backward: put both models in one engine, or give this one stage 0-2 (which "
-    "also take torch.autograd.grad, create_graph included). The gradients accumulated since the last step "
-    "are not usable: engine.zero_grad() discards them")
-
-
-def _internal(method):
-    """Mark a hook body as the stage's own code, which a guard's watcher does not watch."""
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        self.internal += 1
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self.internal -= 1
-    return wrapper
+from .units import FOREIGN_BACKWARD, Hold, Unit, UnitState, build_units, internal, module_name, output_tensors
 
 
 class Stage3(Stage):
@@ -238,7 +215,7 @@ class Stage3(Stage):
         self.wait_for(g)
 
     # --- forward: one pair of hooks per unit root, and the model's --------------------------------
-    @_internal
+    @internal
     def _enter(self, module: nn.Module, args) -> None:
         acquired: list[int] = []
         self.frames.append((module, acquired))   # first: _exit, always called, releases what was acquired
@@ -252,7 +229,7 @@ class Stage3(Stage):
             self._acquire(g)
             acquired.append(g)
 
-    @_internal
+    @internal
     def _exit(self, module: nn.Module, args, output) -> None:
         _, units = self.frames.pop()
         if self.comm.failed:   # a gather of this forward failed: the engine cannot go on, so no more collectives
@@ -275,7 +252,7 @@ class Stage3(Stage):
                     "its gathers with the wrong ones. Nothing was changed; every rank may now skip this batch (or "
                     "retry it) alike")
 
-    @_internal
+    @internal
     def idle_forward(self) -> None:
         self.forward_schedule.begin()
         self._end_forward()   # issues the whole schedule and answers rounds until every rank's forward is over
@@ -318,14 +295,14 @@ class Stage3(Stage):
             self.pinned.add(g)
 
     # --- backward ----------------------------------------------------------------------------------
-    @_internal
+    @internal
     def _before_backward(self, units: tuple[int, ...]) -> None:
         """Runs when the gradient of a unit root's output is ready, before the root's backward."""
         self.check_in_backward(FOREIGN_BACKWARD)
         for g in units:
             self._gather_for_backward(g)
 
-    @_internal
+    @internal
     def before_node(self, units: tuple[int, ...]) -> None:
         """Runs before the backward node of a forward operation that read these units' parameters."""
         for g in units:
@@ -335,12 +312,12 @@ class Stage3(Stage):
             else:
                 self.wait_for(g)
 
-    @_internal
+    @internal
     def _before_grad(self, param: nn.Parameter) -> None:
         self.check_in_backward()
         self.buckets.bind(self.unit_of_param[id(param)])
 
-    @_internal
+    @internal
     def _after_grad(self, param: nn.Parameter) -> None:
         self.check_in_backward()
         self.mark_used(param)
@@ -351,7 +328,7 @@ class Stage3(Stage):
             self._drop(g, Hold.BACKWARD)   # every use of this unit in backward is done
         self.buckets.harvest()
 
-    @_internal
+    @internal
     def begin_backward(self, boundary: bool) -> None:
         self.arrivals.reset()
         self.backward_schedule.begin()
@@ -359,7 +336,7 @@ class Stage3(Stage):
             self._gather_for_backward(g)
             self._hold(g, Hold.PINNED)
 
-    @_internal
+    @internal
     def end_backward(self, boundary: bool, failed: bool = False) -> None:
         # after a failed backward too: the schedule, learned from rounds, is every rank's alike
         self.backward_schedule.finish()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 
 import torch
 from torch import nn
@@ -44,6 +45,29 @@ def build_units(model: nn.Module, trainable: list[nn.Parameter], unit_numel: int
 
     visit(model)
     return units
+
+
+FOREIGN_BACKWARD = (
+    "stage 3: a backward outside this engine's engine.backward(loss) reached one of its modules, whose "
+    "parameters that backward needs gathered: loss.backward() instead of engine.backward(loss), a loss "
+    "another engine (or plain autograd) differentiates through this model (a GAN's discriminator), or "
+    "torch.autograd.grad through it (a gradient penalty). At stage 3 a model takes part in backward only "
+    "through its own engine.backward: put both models in one engine, or give this one stage 0-2 (which "
+    "also take torch.autograd.grad, create_graph included). The gradients accumulated since the last step "
+    "are not usable: engine.zero_grad() discards them")
+
+
+def internal(method):
+    """Mark a Stage3 hook body as the stage's own code (`stage.internal` > 0 while it runs), which a
+    guard's watcher lets pass."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        self.internal += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.internal -= 1
+    return wrapper
 
 
 class UnitState(enum.Enum):
