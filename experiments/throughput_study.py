@@ -70,7 +70,7 @@ def predicted(row: dict, cal: dict, one_core_per_rank: bool = False, smooth: boo
     calls = {k: float(row.get(f"calls_{k}") or 0) for k in moved}
     if spec.mp > 1:       # below the engine the MP group's all-reduces are counted too: the model's
         model_calls = (sum(pm.mp_all_reduce_calls(spec.layers, spec.checkpoints != "none")) + pm.MP_LOSS_CALLS
-                       + pm.STEP_STATS_CALLS)      # and the step's statistics over the MP group
+                       + pm.MP_STEP_STATS_CALLS)   # and the vote's sum over the MP group
         calls["all_reduce"] = max(1.0, calls["all_reduce"] - model_calls)
     step = pm.StepSpec(spec.layers, spec.hidden, spec.seq, spec.vocab, spec.batch, nd, spec.mp, spec.stage,
                        spec.checkpoints, 4, {k: v for k, v in moved.items() if v}, calls,

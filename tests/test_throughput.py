@@ -246,10 +246,12 @@ def test_cpu_cluster_from_a_calibration():
     spec = pm.StepSpec(1, 64, 128, 256, 1, 4, 1, 2, "none", 4, {"all_gather": 1e6}, {"all_gather": 2}, 1e6)
     p, p_alone = pm.predict(spec, cluster), pm.predict(spec, calibrate.cpu_cluster(cal, 4, alone=True))
     assert p.terms["optimizer"] == pytest.approx(1e-2) and p_alone.terms["optimizer"] == pytest.approx(5e-3)
-    statistics = 2 * 3 * 1e-4           # the step's all-reduce of a few numbers: 2 (p-1) hops of latency
+    # the step's vote: STEP_STATS_CALLS all-reduces of a few numbers, 2 (p-1) hops of latency each
+    statistics = pm.STEP_STATS_CALLS * 2 * 3 * 1e-4
     assert p.terms["dp_step"] == pytest.approx(0.75 * 4e6 / 2e9 + 2 * 3 * 1e-4 + statistics) == p_alone.terms["dp_step"]
-    # stage 0: of its all-reduce calls, one is the statistics (in the step), the rest reduce gradients
-    spec = pm.StepSpec(1, 64, 128, 256, 1, 4, 1, 0, "none", 4, {"all_reduce": 2e6}, {"all_reduce": 3}, 1e6)
+    # stage 0: of its all-reduce calls, STEP_STATS_CALLS are the vote (in the step), the rest reduce gradients
+    spec = pm.StepSpec(1, 64, 128, 256, 1, 4, 1, 0, "none", 4, {"all_reduce": 2e6},
+                       {"all_reduce": 2 + pm.STEP_STATS_CALLS}, 1e6)
     p = pm.predict(spec, cluster)
     assert p.terms["dp_backward"] == pytest.approx(0.75 * 2e6 * 4 / 1e9 + 2 * 2 * 3 * 1e-4)   # 2 calls
     assert p.terms["dp_step"] == pytest.approx(statistics)
@@ -317,7 +319,8 @@ def test_collectives_waited_for_at_once_run_on_their_own_link():
     for term in ("mp_forward", "mp_backward", "pa_comm"):
         assert b.terms[term] > 5 * a.terms[term] > 0
     assert b.terms["dp_backward"] == a.terms["dp_backward"]           # bucket reductions: the fast link
-    statistics = 2 * (2 * 1 * 1e-3)                                    # over DP and over MP: 2 (p-1) hops
+    # the vote's all-reduces over DP and its sum over MP: 2 (p-1) hops each
+    statistics = (pm.STEP_STATS_CALLS + pm.MP_STEP_STATS_CALLS) * (2 * 1 * 1e-3)
     assert b.terms["dp_step"] - pm.predict(spec, dataclasses.replace(own_links, intra_by_kind={
         **by_kind, "blocking_all_reduce": pm.Link(1e8, 0.0)})).terms["dp_step"] == pytest.approx(statistics)
 

@@ -146,10 +146,13 @@ def mp_all_reduce_calls(layers: int, recompute: bool) -> tuple[int, int]:
     return 2 * layers + 1, (3 if recompute else 2) * layers + 1
 
 
-STEP_STATS_CALLS = 1
-"""All-reduces of the step's statistics (gradient norm, overflow flag, agreement checks: a few
-numbers, engine.step) per step, over the data-parallel group and, with MP, the MP group: one of the
-data-parallel group's all-reduce calls, whose latency the model puts in the step."""
+STEP_STATS_CALLS = 2
+"""All-reduces of the step's vote (a few numbers, engine.step: core/grad_stats.py) per step over the
+data-parallel group: the sum of the norm, flags and counts, and, under checks="strict" (the default
+the studies run), the exact MAX vote; their latency goes in the step."""
+
+MP_STEP_STATS_CALLS = 1
+"""... and over the MP group, with model parallelism: the norm's sum."""
 
 
 def collective_seconds(kind: str, moved: float, elem_bytes: float, ranks: int, link: Link,
@@ -292,7 +295,7 @@ def predict(spec: StepSpec, cluster: Cluster) -> Prediction:
     stats = collective_seconds("blocking_all_reduce", 0, spec.elem_bytes, spec.nd, dp_link["blocking_all_reduce"],
                                STEP_STATS_CALLS)
     if nm > 1:                    # and again over the MP group
-        stats += mp_all_reduces(0, spec.elem_bytes, STEP_STATS_CALLS)
+        stats += mp_all_reduces(0, spec.elem_bytes, MP_STEP_STATS_CALLS)
     exposed = 1.0 - cluster.dp_overlap
     reductions = dp.get("reduce_scatter", 0.0) + dp.get("all_reduce", 0.0)
     gathers = dp.get("all_gather", 0.0) + dp.get("broadcast", 0.0)
