@@ -62,16 +62,16 @@ def test_the_gate_fails_a_slowed_engine_and_any_change_of_bytes_or_elements():
 
 
 def test_smoke_of_the_suite_passes_its_gate_against_the_committed_baseline(tmp_path):
-    """`pytest benchmarks/ --bench-smoke`: GPT-2 S at Nd 2, every stage, 3 rounds. Against the
-    committed baseline its bytes and elements must match exactly; time only within a doubled
-    threshold, since 3 rounds on a shared CI machine say little."""
+    """`pytest benchmarks/ --bench-smoke`: GPT-2 S at Nd 2, every stage under both checks settings,
+    3 rounds. Against the committed baseline its bytes and elements must match exactly; time only
+    within a doubled threshold, since 3 rounds on a shared CI machine say little."""
     out = tmp_path / "smoke.json"
     done = subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "benchmarks"), "--benchmark-only",
                            "--bench-smoke", "-q", "-p", "no:cacheprovider", "--gate-threshold=1.0",
                            f"--benchmark-json={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     benchmarks = {b["name"]: b["extra_info"] for b in json.loads(out.read_text())["benchmarks"]}
-    assert sorted(benchmarks) == [f"test_step[S-nd2-stage{s}]" for s in range(4)]
+    assert sorted(benchmarks) == sorted(f"test_step[S-nd2-stage{s}{c}]" for s in range(4) for c in ("", "-off"))
     for name, info in benchmarks.items():
         assert info["gate"] == "checked", f"{name}: the committed baseline has no such benchmark"
         psi = info["psi"]
