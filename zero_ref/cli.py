@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-from .config import DTYPES, KERNELS, STAGE_NAMES
+from .config import CHECKS, DTYPES, KERNELS, STAGE_NAMES
 
 
 def _train_parser(sub) -> None:
@@ -48,6 +48,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--prefetch", type=int, default=1, help="stage 3: units gathered ahead of the one in use")
     p.add_argument("--kernels", choices=KERNELS, default="auto",
                    help="the optimizer step's kernels: auto is Triton on CUDA, torch elsewhere")
+    p.add_argument("--checks", choices=CHECKS, default="strict",
+                   help="strict: every cross-rank check and misuse refusal; off: the bare core (default strict)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
     p.add_argument("--seed", type=int, default=0, help="model and data seed")
     p.add_argument("--csv", help="append one row per rank (memory, comm, step time) to this CSV file")
@@ -58,7 +60,7 @@ def _config_from(args):
 
     return ZeroConfig(stage=args.stage, dtype=args.dtype, lr=args.lr, grad_clip=args.grad_clip,
                       grad_accum_steps=args.grad_accum_steps, bucket_numel=args.bucket_numel,
-                      overlap=not args.no_overlap, prefetch=args.prefetch, kernels=args.kernels)
+                      overlap=not args.no_overlap, prefetch=args.prefetch, kernels=args.kernels, checks=args.checks)
 
 
 def train_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
