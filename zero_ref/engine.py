@@ -130,6 +130,7 @@ class ZeroEngine(Engine):
         anywhere changes nothing anywhere. The step in progress, if any, is dropped."""
         self._open_collective_call("load_checkpoint", discarding=True)
         checkpoint.load_checkpoint(self, self._mp_path(path), lr_scheduler)
+        self.seams.after_update(self)   # the engine wrote the parameters
         if isinstance(self.seams, Strict):
             self.seams.forget_dropped_step()
 
@@ -153,6 +154,7 @@ class ZeroEngine(Engine):
         is refused on every rank (io/state_dict.py)."""
         self._open_collective_call("load_state_dict")
         state_dict_io.load_state_dict(self, state_dict)
+        self.seams.after_update(self)   # the engine wrote the parameters
 
     def full_state_dict(self, rank0_only: bool = False, device: str | torch.device = "cpu"
                         ) -> dict[str, torch.Tensor]:
@@ -199,4 +201,4 @@ class ZeroEngine(Engine):
         """Before the masters are read: values written into the parameters from outside the engine
         are adopted or refused on every rank (checks="strict": guard/param_writes.py)."""
         if isinstance(self.seams, Strict):
-            param_writes.adopt_or_refuse(self)
+            param_writes.adopt_or_refuse(self, self.seams.writes)

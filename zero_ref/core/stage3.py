@@ -371,17 +371,12 @@ class Stage3(Stage):
     # --- writes into the parameters from outside the engine ------------------------------------------
     # A parameter has values only while its unit is gathered, and the gathered buffer is freed after
     # use, so an in-place write inside the forward (nn.Embedding(max_norm=...) renormalises the rows
-    # its batch looks up) is lost, while the gradients were computed from the written values: a
-    # guard refuses the step (guard/param_writes.py).
+    # its batch looks up) is lost, while the gradients were computed from the written values: the
+    # stage names the first such unit in `written_while_gathered`, and a guard refuses the step
+    # (guard/param_writes.py).
     def _unit_version(self, g: int) -> int:
         """torch's count of in-place writes into unit g's parameters, summed (each only grows)."""
         return sum(param._version for param in self.groups[g].params)
-
-    def note_param_writes(self) -> None:
-        self.written_while_gathered = None
-
-    def params_written(self) -> bool:
-        return self.written_while_gathered is not None
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [self.flat_param_shard, *self.full_params], "grads": [self.flat_grad_shard],

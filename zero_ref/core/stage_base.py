@@ -147,20 +147,6 @@ class Stage:
         its storage is freed between uses)."""
         raise NotImplementedError
 
-    def detached(self) -> list[nn.Parameter]:
-        """The trainable parameters that are no longer views of their place in the stage's buffers:
-        something replaced their `.data` after initialize (``Module.to(dtype)``, ``.float()``,
-        ``param.data = ...``). The optimizer would update values the model no longer reads."""
-        out = []
-        for g, group in enumerate(self.groups):
-            home = self.param_buffer(g)
-            storage, offset = home.untyped_storage()._cdata, home.storage_offset()
-            for param, start, _ in group.param_ranges():
-                if (param.dtype != home.dtype or param.untyped_storage()._cdata != storage
-                        or param.storage_offset() != offset + start):
-                    out.append(param)
-        return out
-
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The live tensors this stage holds, by category: params, grads, optimizer_states and
         comm_buffers (constant-size buckets that outlive one reduction)."""
@@ -194,34 +180,6 @@ class Stage:
         for g in range(len(self.groups)):
             self.segment_updated(g)
         self.after_update()
-        self.note_param_writes()
-
-    # --- writes into the parameters from outside the engine (param_writes.py; stage3.py has its own) --
-    def _param_versions(self) -> dict[int, int]:
-        """Each parameter's version by identity (the first backward may lay the groups out anew)."""
-        return {id(param): param._version for group in self.groups for param in group.params}
-
-    def note_param_writes(self) -> None:
-        """The engine wrote the parameters: remember their versions."""
-        self.param_versions = self._param_versions()
-
-    def params_written(self) -> bool:
-        """Whether something outside the engine wrote into the parameters since it last did."""
-        return self._param_versions() != self.param_versions
-
-    def adopt_param_writes(self) -> None:
-        """Make the values written into this rank's pieces of the parameters its master's (only the
-        elements that differ from the rounded master: the others keep the master's full precision;
-        in fp32 the pieces are the master already)."""
-        masters, low_precision = self.optimizer.masters, self.optimizer.low_precision
-        with torch.no_grad():
-            for param, start, end, g, offset in self.owned_pieces():
-                if low_precision[g] is None:
-                    continue
-                written = param.detach().reshape(-1)[start:end]
-                master = masters[g][offset:offset + end - start]
-                master.copy_(torch.where(written != master.to(written.dtype), written.to(master.dtype), master))
-        self.note_param_writes()
 
     def close(self) -> None:
         """Remove every hook this stage registered."""

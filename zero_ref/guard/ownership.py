@@ -114,6 +114,21 @@ def refuse_compiled(model: nn.Module) -> None:
                 "trace. Give stage 3 the model uncompiled, or compile it at stages 0-2")
 
 
+def detached(stage) -> list[nn.Parameter]:
+    """The trainable parameters that are no longer views of their place in the stage's buffers:
+    something replaced their `.data` after initialize (``Module.to(dtype)``, ``.float()``,
+    ``param.data = ...``). The optimizer would update values the model no longer reads."""
+    out = []
+    for g, group in enumerate(stage.groups):
+        home = stage.param_buffer(g)
+        storage, offset = home.untyped_storage()._cdata, home.storage_offset()
+        for param, start, _ in group.param_ranges():
+            if (param.dtype != home.dtype or param.untyped_storage()._cdata != storage
+                    or param.storage_offset() != offset + start):
+                out.append(param)
+    return out
+
+
 def detached_message(model: nn.Module, dtype: torch.dtype, detached: list[nn.Parameter],
                      unfrozen: list[nn.Parameter]) -> str:
     """Why step refuses, on every rank, when a parameter's .data was replaced on any rank (or a

@@ -51,6 +51,7 @@ class Strict(Seams):
         self.boundary_unchecked = False  # a backward reached a step boundary and no vote followed yet
         self.watcher: ExternalUseWatcher | None = None
         self.marked: list = []           # stage 3: the parameters that say so when read while freed
+        self.writes: param_writes.WriteRecord | None = None   # what the engine last wrote into the parameters
 
     def setup(self, engine, build_groups, refusal, from_meta):
         return check_same_everywhere(engine.module, engine.comm, engine.config, build_groups, refusal,
@@ -61,7 +62,7 @@ class Strict(Seams):
             self.marked = mark_sharded(engine.module, engine.stage.trainable)
             self.watcher = ExternalUseWatcher(engine.stage)
         ownership.take(engine, engine.module)
-        engine.stage.note_param_writes()
+        self.writes = param_writes.WriteRecord(engine.stage)
 
     def before_call(self, engine, call=None, discarding=False) -> None:
         step_failures.check_nobody_failed_at_the_boundary(engine, self, discarding)
@@ -105,9 +106,9 @@ class Strict(Seams):
             invalid = 0.0
         except ValueError:   # step() raises it on every rank alike, after the vote
             hyper, invalid = [0.0] * (5 * len(optimizer.members)), 1.0
-        detached = stage.detached() + [p for p in engine.frozen if p.requires_grad]
+        detached = ownership.detached(stage) + [p for p in engine.frozen if p.requires_grad]
         counts = {"stepping": float(stepping), "discarding": float(discarding),
-                  "discarded": float(self.discarded_mid_step), "written": float(stage.params_written()),
+                  "discarded": float(self.discarded_mid_step), "written": float(self.writes.written()),
                   "detached": float(len(detached)), "invalid_hyper": invalid}
         same = {"failed_at": [float(self.failed_at)], "hyper": hyper}
         self.failed_at, self.discarded_mid_step, self.boundary_unchecked = 0, False, False
@@ -119,20 +120,20 @@ class Strict(Seams):
         step_failures.refuse_if_some_ranks_discarded(engine, vote)
         if vote.counts["detached"]:
             unfrozen = [p for p in engine.frozen if p.requires_grad]
-            raise RuntimeError(ownership.detached_message(engine.module, engine.dtype, engine.stage.detached(),
+            raise RuntimeError(ownership.detached_message(engine.module, engine.dtype, ownership.detached(engine.stage),
                                                           unfrozen))
         if vote.counts["invalid_hyper"]:
             engine.optimizer.hyperparameters()   # raises this rank's own reason, if it has one
             raise ValueError(HYPER_INVALID.format(n=int(vote.counts["invalid_hyper"]), everyone=engine.ranks_summed))
         if not vote.same["hyper"]:
             raise ValueError(HYPER_DIFFER)
-        param_writes.adopt_or_refuse(engine, vote.counts["written"])
+        param_writes.adopt_or_refuse(engine, self.writes, vote.counts["written"])
 
     def update_raised(self, engine, err) -> None:
         step_failures.step_raised(engine, err)
 
     def after_update(self, engine) -> None:
-        engine.stage.note_param_writes()
+        self.writes.note()
 
     def close(self, engine) -> None:
         ownership.release(engine.module)
