@@ -32,11 +32,11 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..config import ZeroConfig
+from ..param_groups import ZeroOptimizer, build_groups
 from .comm import Comm, CommLedger
 from .grad_stats import GradStats, StepVote
 from .in_flight import CollectiveError
 from .labels import label
-from ..param_groups import ZeroOptimizer, build_groups
 from .precision import LossScaler
 from .seams import Seams
 from .stage0 import Stage0
@@ -44,6 +44,7 @@ from .stage1 import Stage1
 from .stage2 import Stage2
 from .stage3 import Stage3
 from .stage_base import Stage
+
 
 class Engine:
     """Trains one model with ZeRO stage `config.stage` over a data-parallel process group

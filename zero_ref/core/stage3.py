@@ -6,7 +6,7 @@ parameters are one flat group padded to a multiple of Nd, and rank r keeps only 
 them: each `Unit` has a state (FREED: its full buffer has no storage, the parameters are views of
 it with no data; GATHERING: an all-gather into it is in flight; GATHERED) and a set of named
 reasons it is held (`Hold`). It is gathered when the first reason appears and freed in one place,
-`_drop`, when the last one goes.
+`_free_if_unheld`, when the last one goes.
 
 Communicated, per micro-batch (paper Sec 7.2.2):
 1. forward: just before a unit's root module runs, the unit is all-gathered into its full buffer
@@ -148,10 +148,15 @@ class Stage3(Stage):
         holds[reason] = holds[reason] + 1 if reason is Hold.RUNNING else 1
 
     def _drop(self, g: int, reason: Hold) -> None:
-        """Unit g is no longer held for `reason`: the one place a unit is freed, when no reason is left."""
+        """Unit g is no longer held for `reason` (one count of it)."""
+        holds = self.units[g].holds
+        if holds[reason] > 0:
+            holds[reason] -= 1
+        self._free_if_unheld(g)
+
+    def _free_if_unheld(self, g: int) -> None:
+        """The one place a unit is freed: when no reason holds it any more."""
         unit = self.units[g]
-        if unit.holds[reason] > 0:
-            unit.holds[reason] -= 1
         if unit.state is not UnitState.FREED and not +unit.holds:
             self.wait_for(g)
             if self._unit_version(g) != unit.version and self.written_while_gathered is None:
@@ -165,7 +170,7 @@ class Stage3(Stage):
         for g, unit in enumerate(self.units):
             for reason in reasons:
                 unit.holds[reason] = 0
-            self._drop(g, Hold.RUNNING if unit.holds[Hold.RUNNING] else reasons[0])
+            self._free_if_unheld(g)
         while self.scratch:
             self.scratch.pop()[1].wait()
 

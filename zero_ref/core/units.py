@@ -2,7 +2,7 @@
 
 A unit is the parameters of one module subtree, gathered and freed together (stage3.py). Its
 lifetime is one explicit state (`UnitState`) and a count of named reasons it is held (`Hold`): it
-is gathered when a reason appears and freed when none is left, in one place (Stage3._drop).
+is gathered when a reason appears and freed when none is left, in one place (Stage3._free_if_unheld).
 """
 
 from __future__ import annotations
