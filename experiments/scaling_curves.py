@@ -18,7 +18,7 @@ Two sources, one set of plots:
 Beside each measurement, the paper's formulas (``zero_ref.analysis.memory_model``):
 
 * bytes: ``model_state_bytes(Ψ, stage, Nd, k=8, param_bytes=4, grad_bytes=4)``. In fp32 the
-  engine keeps no master copy (the fp32 parameters *are* the master weights, precision.py), so its
+  engine keeps no master copy (the fp32 parameters *are* the master weights, core/optim.py), so its
   optimizer holds Adam's two moments only: K = 8 bytes per parameter, 16Ψ in all at stage 0, not
   the paper's mixed-precision 2 + 2 + 12. The engine may exceed the formula by padding alone:
   every flat group is padded to a multiple of Nd (``at_scale.padding_bound``).

@@ -1,5 +1,5 @@
 """The step's vote is exact: named fields compared exactly, no hash that lets a difference through, no
-counter that wraps, no limit on the number of ranks (core/grad_stats.py, guard/strict.py)."""
+counter that wraps, no limit on the number of ranks (core/optim.py, guard/strict.py)."""
 
 from __future__ import annotations
 

@@ -109,7 +109,7 @@ class ZeroEngine(Engine):
     Usable as a context manager that `close()`s it."""
 
     def _open_collective_call(self, call: str, discarding: bool = False) -> None:
-        """The start of a collective call that training does not make (core/comm.CALLS); with
+        """The start of a collective call that training does not make (guard/refusals.CALLS); with
         checks="strict" the vote first if this rank stopped at a boundary without stepping, then the
         call's name on the calls channel (guard/strict.py)."""
         self.check_open()

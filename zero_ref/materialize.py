@@ -75,6 +75,18 @@ class Materializer:
         param.__dict__.update(old.__dict__)   # attributes such as the model-parallel mark
         return param
 
+    def start_from_rank0_rng(self, comm) -> None:
+        """Every rank draws initial values: start them all from rank 0's RNG (`comm`: the engine's)."""
+        if comm.world_size == 1:
+            return
+        states = {"cpu": torch.get_rng_state()}
+        if comm.device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(comm.device)
+        states = comm.all_gather_object(states)[0]
+        torch.set_rng_state(states["cpu"])
+        if "cuda" in states:
+            torch.cuda.set_rng_state(states["cuda"], comm.device)
+
     def run(self, take: Callable[[nn.Parameter], None] | None = None) -> None:
         """Give every swapped tensor its values, module by module; after each module, call
         `take(param)` for its trainable parameters (the stage keeps what it owns and may release the

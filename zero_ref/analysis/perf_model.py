@@ -147,7 +147,7 @@ def mp_all_reduce_calls(layers: int, recompute: bool) -> tuple[int, int]:
 
 
 STEP_STATS_CALLS = 2
-"""All-reduces of the step's vote (a few numbers, engine.step: core/grad_stats.py) per step over the
+"""All-reduces of the step's vote (a few numbers, engine.step: core/optim.py) per step over the
 data-parallel group: the sum of the norm, flags and counts, and, under checks="strict" (the default
 the studies run), the exact MAX vote; their latency goes in the step."""
 

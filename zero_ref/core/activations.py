@@ -1,31 +1,17 @@
-"""Activation checkpoints, plain or partitioned across the model-parallel group (ZeRO-R's Pa, Pa+cpu).
+"""Activation checkpoints, plain or partitioned across the model-parallel group (ZeRO-R's Pa, Pa+cpu, MD).
 
-With activation checkpointing each transformer block keeps only its input during forward and
-recomputes its internals in backward (torch.utils.checkpoint). Under model parallelism that input
-(batch x seq x hidden) is replicated on all Nm ranks of the MP group: Nm identical copies. The
-paper's Pa (Sec 6.1) keeps one slice per rank instead:
+Under model parallelism a checkpointed block's input (batch x seq x hidden) is replicated on all
+Nm ranks. Pa (paper Sec 6.1) keeps one slice per rank instead, through torch.utils.checkpoint and
+autograd's saved-tensor hooks:
 
-    forward   the block's input is saved through torch's checkpoint, which saves its inputs with
-              autograd's saved-tensor machinery; our saved_tensors_hooks pack keeps this rank's
-              1/Nm of it (Pa+cpu: in host memory, pinned on CUDA) and lets the full tensor go
-    backward  just before the block is recomputed, unpack all-gathers the slices over the MP group
-              (one all-gather of batch x seq x hidden per block, against Megatron's 12x in
-              all-reduces) and checkpoint recomputes the block from the rebuilt input; Pa+cpu
-              brings its slice back from the host first, and meanwhile starts copying back the
-              slice of the block backward reaches next (a side stream on CUDA: the copy overlaps
-              this block's recomputation)
+    forward   `pack` keeps this rank's 1/Nm of the input (Pa+cpu: in host memory, pinned on CUDA)
+    backward  `unpack` all-gathers the slices over the MP group just before the block is
+              recomputed (one all-gather per block, against Megatron's 12x in all-reduces); Pa+cpu
+              meanwhile copies back the slice backward reaches next, on a side stream
 
-Checkpoint memory per rank falls from L x batch x seq x hidden to 1/Nm of it (Pa), or to nothing
-on the accelerator (Pa+cpu). `ActivationCheckpoints` counts the live bytes and the elements
-gathered; the engine's memory report includes them.
-
-MD (the paper's memory defragmentation, Sec 6.3), `contiguous=True`: checkpoints live for a whole
-forward and backward, while everything computed between them lives for one block. Allocated as
-they come, the long-lived ones sit between short-lived ones and split the free memory into holes.
-A `CheckpointArena` is one buffer with a slot per block, allocated on the first forward and reused
-every step: each block's kept input (whole, or this rank's slice) is copied into its slot, so the
-short-lived tensors have the rest of memory to themselves. (Gradients already live in flat,
-preallocated buffers at every stage: grad_buffers.py.)
+MD (Sec 6.3, `contiguous=True`): checkpoints live for a whole step, what lies between them for one
+block; allocated as they come, the long-lived ones cut free memory into holes. A `CheckpointArena`
+is one buffer with a slot per block, reused every step, so the short-lived tensors have the rest.
 """
 
 from __future__ import annotations
@@ -46,14 +32,10 @@ MODES = ("plain", "pa", "pa_cpu")
 
 
 class CheckpointArena:
-    """MD: one contiguous buffer holding a slot per checkpointed block, allocated when the first
-    forward shows the slot's size and reused by every later one.
-
-    A slot is taken when a block saves its input and given back when autograd frees what it saved
-    (after backward, or when the graph is dropped). When every slot is taken (a second forward
-    before the first one's backward) or the input outgrew its slot while some slot is taken, the
-    checkpoint gets a tensor of its own instead (`misses` counts them): never a slot that is
-    still in use. When all slots are free a larger input replaces the buffer."""
+    """MD: one buffer with a slot per checkpointed block, sized by the first forward and reused. A
+    slot is taken when a block saves its input and given back when autograd frees it; with every
+    slot taken, or an input grown while some are, the checkpoint gets a tensor of its own
+    (`misses`). When all slots are free a larger input replaces the buffer."""
 
     def __init__(self, slots: int):
         self.slots = slots
@@ -88,9 +70,8 @@ class CheckpointArena:
 
 
 class _Kept:
-    """What a checkpointed block keeps of its input: its `shape` and `device`, and `kept`, this
-    rank's slice (Pa) or all of it (plain), flat. Given to autograd in place of the input.
-    Pa+cpu: `on_device` is the slice copied back ahead of time, `ready` the copy's CUDA event."""
+    """What a checkpointed block keeps in place of its input: `kept`, this rank's slice (Pa) or all
+    of it (plain), flat; Pa+cpu: `on_device`, the slice copied back ahead, and `ready`, its event."""
 
     __slots__ = ("shape", "device", "kept", "on_device", "ready", "__weakref__")
 
@@ -101,13 +82,9 @@ class _Kept:
 
 @dataclass
 class ActivationCheckpoints:
-    """What the checkpoints of one model hold and move. Bytes are those of live saved inputs, by
-    where they live: `device_bytes` on the model's device, `host_bytes` offloaded (Pa+cpu).
-    `gathered_elements`: elements all-gathered before recomputation (counted as the paper counts
-    an all-gather: the full tensor's size). With an `arena` (MD) the bytes are the arena's
-    whole buffer, from its allocation on, plus any checkpoint that missed it. `prefetched`:
-    Pa+cpu slices copied back to the device while the block after them recomputed;
-    `host_traffic_bytes`: Pa+cpu's bytes copied to the host and back."""
+    """What one model's checkpoints hold and move: live saved bytes on the device and on the host
+    (with an arena: its whole buffer plus misses), elements all-gathered before recomputation,
+    Pa+cpu's bytes copied each way and slices `prefetched` while the block after them recomputed."""
 
     mode: str
     group: object = None
@@ -134,8 +111,8 @@ class ActivationCheckpoints:
 
     # --- the saved-tensor hooks around a checkpointed block ------------------------------------------
     def pack(self, full: torch.Tensor):
-        """Keep this rank's slice of a block input (Pa: padded to ceil(n / Nm) elements; plain:
-        all of it), in the arena's slot when there is one (MD), in host memory for Pa+cpu."""
+        """Keep this rank's slice of a block input (padded to ceil(n / Nm); plain: all of it), in
+        the arena's slot (MD) and in host memory for Pa+cpu."""
         if not full.is_floating_point() or full.numel() == 0:   # (torch <= 2.11 saves an empty dummy too)
             return full
         size, rank = (1, 0) if self.mode == "plain" else (group_size(self.group), group_rank(self.group))
@@ -184,8 +161,7 @@ class ActivationCheckpoints:
         return gathered[:math.prod(packed.shape)].view(packed.shape)
 
     def _on_device(self, packed: _Kept) -> torch.Tensor:
-        """The kept slice on the model's device: the prefetched copy (once its copy is done) or a
-        copy made now."""
+        """The kept slice on the model's device: the prefetched copy, or one made now."""
         if packed.on_device is None:
             return packed.kept.to(packed.device, non_blocking=True)
         on_device, packed.on_device = packed.on_device, None
@@ -232,11 +208,9 @@ class CheckpointedBlock(nn.Module):
 
 def checkpoint_blocks(blocks: nn.ModuleList, mode: str = "pa", group=None, *,
                       contiguous: bool = False) -> ActivationCheckpoints:
-    """Wrap every block of `blocks` in place in a CheckpointedBlock sharing one
-    ActivationCheckpoints (returned). `mode`: "plain" (torch's activation checkpointing), "pa"
-    (inputs partitioned across the model-parallel `group`) or "pa_cpu" (partitioned and offloaded
-    to host memory). `contiguous`: MD, the kept inputs live in one CheckpointArena with a slot per
-    block (one copy per block in forward). Apply before zero_ref.initialize."""
+    """Wrap every block of `blocks` in place in a CheckpointedBlock sharing one ActivationCheckpoints
+    (returned). `mode`: "plain" (torch's), "pa" (inputs partitioned across the model-parallel
+    `group`) or "pa_cpu" (and offloaded to the host); `contiguous`: MD. Apply before initialize."""
     if mode not in MODES:
         raise ValueError(f"activation checkpoint mode = {mode!r} is not allowed: expected one of "
                          f"{', '.join(map(repr, MODES))}")

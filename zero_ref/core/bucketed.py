@@ -1,38 +1,34 @@
 """What stages 0-2 share: full parameters on every rank, packed into buckets in gradient-arrival order.
 
-Every rank holds the whole model's parameters in one flat buffer (each parameter is a view of its
-range), cut into buckets of at most `bucket_numel` elements: the constant-size communication
-buffers of the paper (CB). A bucket is reduced as soon as backward has produced all of its
-gradients, so reductions overlap the rest of backward and only a few buckets are in flight.
-
-That works only if buckets fill one after another, i.e. if the parameters are packed in the order
-their gradients arrive. At first they are packed in reverse registration order (usually close);
-the first backward records the true arrival order, the ranks agree on it (rank 0's, if theirs
-differ), and if some bucket completed out of launch order the stage packs the buckets anew
-(`relayout`), as DDP rebuilds its buckets after the first iteration. The repack copies the
-parameters into a new flat buffer and carries gradients and optimizer state over with
-`partition.move_state` (sharded state one bucket at a time); for a moment both layouts exist. A
-checkpoint stores the learned order, so a resumed run starts in it.
+Every rank holds the model's parameters in one flat buffer (each parameter a view of its range),
+cut into buckets of at most `bucket_numel` elements (CB). A bucket is reduced as soon as backward
+has produced all its gradients, so reductions overlap the rest of backward; that needs buckets to
+fill one after another. The first backward records the arrival order, the ranks agree on it (the
+lowest rank's whose backward completed) and, if a bucket completed out of launch order, the stage
+repacks (`relayout`, carrying gradients and optimizer state with `partition.move_state`), as DDP
+rebuilds its buckets after the first iteration. Checkpoints store the learned order.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from typing import Callable
 
 import torch
 from torch import nn
 
 from .comm import Comm
 from ..config import ZeroConfig
-from .grad_hooks import register_grad_hooks
+from .grad_buffers import GroupArrivals, points_at, register_grad_hooks
 from .labels import label
 from .partition import GroupLayout, move_state, pack_into_buckets
 from .stage_base import Stage, pieces_of
 
 
 class BucketedStage(Stage):
-    """Base of stages 0-2. Subclasses implement `_lay_out(order)` (build the layout, buffers and
-    optimizer for parameters packed in `order`), `_on_grad`, `_end_backward` and `_grad_state`;
-    `shard_states` says whether optimizer state is sharded (stages 1-2) or whole (stage 0), and
-    `binds_per_backward` whether `_before_grad` must point `.grad` at a bucket in every backward."""
+    """Base of stages 0-2. Subclasses build layout, buffers and optimizer for an order (`_lay_out`)
+    and handle gradients (`_on_grad`, `_end_backward`, `_grad_state`); `shard_states`: optimizer
+    state sharded (stages 1-2); `binds_per_backward`: `.grad` points into a bucket per backward."""
 
     shard_states = True
     binds_per_backward = False
@@ -75,8 +71,7 @@ class BucketedStage(Stage):
 
     # --- the bucket order ------------------------------------------------------------------------
     def _learn_order(self, log: list[int] | None) -> None:
-        """Agree on the first backward's arrival order, the lowest rank's whose backward completed
-        (`log` None: this rank's raised; if every rank's did, learn from the next backward), and
+        """Agree on the first completed backward's arrival order (`log` None: this rank's raised) and
         repack if a bucket completed out of order."""
         logs = self.comm.all_gather_object(log) if self.world_size > 1 else [log]
         agreed = next((each for each in logs if each is not None), None)
@@ -108,8 +103,7 @@ class BucketedStage(Stage):
         return self.arrival_log is not None
 
     def adopt_order(self, indices: list[int]) -> None:
-        """Start in a previously learned order (a checkpoint's) instead of learning one; the state
-        is about to be overwritten, so nothing is carried over."""
+        """Start in a checkpoint's learned order; the state is about to be overwritten."""
         self.arrival_log = None
         order = [self.trainable[k] for k in indices]
         if [id(p) for p in order] != [id(p) for p in self.order]:
@@ -182,3 +176,75 @@ class BucketedStage(Stage):
     def _grad_state(self) -> tuple[torch.Tensor, bool]:
         """(the flat gradient state, is it sharded?) as `move_state` carries it."""
         raise NotImplementedError
+
+
+class FullGradBuffer:
+    """A full flat gradient buffer, one slice per bucket (stages 0 and 1), where every micro-batch
+    accumulates. On the micro-batch that ends a step each complete bucket goes to `reduce(g)` in the
+    agreed order, at most `max_in_flight` at once; `end_backward` launches the rest and waits."""
+
+    def __init__(self, layout: GroupLayout, dtype: torch.dtype, device: torch.device, comm,
+                 reduce: Callable[[int], object], max_in_flight: int = 2):
+        self.layout, self.comm, self.reduce = layout, comm, reduce
+        self.max_in_flight = max_in_flight
+        self.flat = torch.zeros(layout.full_numel, dtype=dtype, device=device)
+        self.views = {}
+        for g, group in enumerate(layout.groups):
+            bucket = layout.full_slice(self.flat, g)
+            for param, start, end in group.param_ranges():
+                self.views[id(param)] = bucket[start:end].view(param.shape)
+        self.arrivals = GroupArrivals(layout.groups, self._launch)
+        self.boundary = True
+        self.in_flight: deque = deque()
+        self.bind()
+
+    def bucket(self, g: int) -> torch.Tensor:
+        return self.layout.full_slice(self.flat, g)
+
+    def bind(self) -> None:
+        """Point every parameter's `.grad` at its range of the buffer (when the dtypes agree)."""
+        for group in self.layout.groups:
+            for param in group.params:
+                view = self.views[id(param)]
+                param.grad = view if view.dtype == param.dtype else None
+
+    def add(self, g: int, i: int, param: nn.Parameter) -> None:
+        """After-hook body: make sure the gradient is in the buffer, then count it."""
+        view = self.views[id(param)]
+        if not points_at(param, view):   # fp32 reduction, or the user replaced or cleared `.grad`
+            view.add_(param.grad.reshape(view.shape))
+            param.grad = view if view.dtype == param.dtype else None
+        if self.boundary:
+            self.arrivals.arrive(g, i)
+
+    def _launch(self, g: int) -> None:
+        with label("zero_ref::reduce bucket", g), self.comm.reduce_stream.after_current():
+            pending = self.reduce(g)
+        if pending is not None:
+            self.in_flight.append(pending)
+            while len(self.in_flight) > self.max_in_flight:
+                self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        with self.comm.reduce_stream.on():
+            self.in_flight.popleft().wait()
+
+    def begin_backward(self, boundary: bool) -> None:
+        self.boundary = boundary
+        self.arrivals.reset()
+
+    def end_backward(self, boundary: bool) -> None:
+        if not boundary:
+            return   # gradients keep accumulating locally until the last micro-batch
+        self.arrivals.flush()
+        while self.in_flight:
+            self._wait_oldest()
+        self.comm.reduce_stream.join()
+
+    def zero(self) -> None:
+        """Zero the buffer once reductions a raised backward left in flight have finished."""
+        if self.in_flight:
+            while self.in_flight:
+                self._wait_oldest()
+            self.comm.reduce_stream.join()
+        self.flat.zero_()

@@ -1,59 +1,28 @@
 """The collectives zero-ref calls, on separate channels, and the ledger that counts what they move.
 
-Collectives pair up across ranks by their position in each rank's sequence on one process group, so
-two sequences that may interleave differently on different ranks must not share a group. The engine
-therefore talks on up to five groups over the same ranks (its *channels*):
+Collectives pair up across ranks by their position in each rank's sequence on one process group,
+so sequences that may interleave differently on different ranks get groups of their own, over the
+same ranks (the *channels*, created once per parent group, backend and timeout, and shared by every
+engine on those ranks: `_channel_groups`):
 
-    reduce    gradient reductions, and every other collective that moves model data
-    gather    stage 3's parameter gathers, which interleave with its reductions in an order that
-              depends on each rank's own backward (stages 0-2 use the reduce channel)
-    control   a few integers or small Python objects that keep the ranks in step: gather-schedule
-              rounds, votes, agreement checks. Always gloo on the CPU, so it never touches a GPU stream.
-    statistics  the step's one all-reduce of gradient statistics and agreement slots (grad_stats.py),
-              gloo on the CPU. It is how ranks learn that they diverged (one rank's backward raised
-              and it caught up to the step; the others went on with more backwards), so it must
-              never pair with another kind of collective: on a shared group it met a gradient
-              bucket, and gloo aborted the process on the size mismatch (or, at equal sizes, summed
-              the two). On its own group such a rank waits there, the others wait in their next
-              collective, and every rank raises CollectiveError after `timeout_s`.
-    calls     one fixed-size message that opens each collective call training does not make
-              (`CALLS`: full_state_dict, save or load of a checkpoint, load_state_dict), naming it,
-              gloo on the CPU (`announce`). Such a call made on some ranks only (`if rank == 0:
-              engine.full_state_dict()`) then waits there alone until `timeout_s` and raises
-              CollectiveError, as the others do in their next collective; without it, its first
-              collective paired with another rank's gradient bucket (gloo aborted the process on
-              the size mismatch). Two different calls at once raise ValueError on every rank.
+    reduce      gradient reductions and every other collective that moves model data
+    gather      stage 3's parameter gathers, which interleave with its reductions in an order that
+                depends on each rank's backward (stages 0-2 use the reduce channel)
+    control     a few integers or Python objects that keep ranks in step (gather rounds); gloo
+    statistics  the step's vote (optim.GradStats), gloo on the host: it must never pair with a
+                gradient bucket, also when one rank's backward raised and the others went on
+    calls       opens each collective call training does not make (full_state_dict, checkpoints),
+                so one made on some ranks only is caught (guard/strict.py); gloo
 
-The channel groups are created once per (parent group, backend, timeout) and shared by every engine
-on those ranks in the process (`_channel_groups`). Engines may share them because each rank issues
-the collectives of all its engines in one program order. They are not destroyed when an engine
-closes: torch names a new group over the same ranks after the number of live groups, so a group
-destroyed and created again gets its predecessor's name, finds that predecessor's rendezvous keys
-in the store and can fail to connect; they go with the parent group (`dist.destroy_process_group`).
-A collective that fails retires its engine's channels from that cache (a failed group may be left
-mid-collective), so an engine built afterwards gets fresh ones.
+On the CPU (gloo) every collective is issued asynchronously and waited on for at most `timeout_s`,
+so a dead or stuck peer becomes a CollectiveError, not a hang (in_flight.py); on CUDA (NCCL) a wait
+only makes the current stream wait, and NCCL's watchdog enforces the groups' timeout. A collective
+that fails retires its engine's channels from the cache (`retire`). Over one rank the data
+collectives are local copies on the caller's thread. gloo's own workarounds are in gloo.py.
 
-Backend and waits are chosen by the device the engine's tensors live on, not by the backend's name
-(a "cpu:gloo,cuda:nccl" group serves both). On the CPU (gloo) every collective is issued
-asynchronously and waited on for at most `timeout_s`, on groups created with that timeout, so a dead
-or stuck peer turns into a CollectiveError instead of a hang. On CUDA (NCCL) `wait()` only makes the
-current stream wait: the host never blocks, and the NCCL groups the engine creates carry `timeout_s`,
-after which NCCL's watchdog aborts a collective that a peer never joined. The waits themselves, and
-the CUDA side stream, are in in_flight.py; the profiler labels around issues and waits, labels.py.
-
-The ledger counts elements moved per rank the way the paper does (Sec 7): an all-reduce of n
-elements moves 2n (a reduce-scatter plus an all-gather); a reduce-scatter or an all-gather of a full
-buffer of n elements moves n; a broadcast of n moves n. Control messages (a few integers per pass)
-are not training traffic and are not counted.
-
-Over a group of one rank the data collectives are local: nothing to send, at most one copy (a
-reduce-scatter or all-gather whose output is not its input), done on the caller's thread; the
-ledger still counts what the paper counts. gloo would otherwise copy even an in-place gather
-(measured: 3-5 ms of a 25 ms optimizer step for 8.7M fp32 elements, stages 1-2 at world 1).
-
-torch 2.13 renamed `reduce_scatter_tensor`/`all_gather_into_tensor` to `reduce_scatter_single`/
-`all_gather_single`; older releases (the GPU machine runs 2.11) only have the old names. The choice
-is made once, here.
+The ledger counts elements moved per rank as the paper does (Sec 7): an all-reduce of n moves 2n;
+a reduce-scatter or all-gather of a full buffer of n moves n; a broadcast of n moves n. Control
+messages are not training traffic and are not counted.
 """
 
 from __future__ import annotations
@@ -70,18 +39,17 @@ from . import gloo
 from .in_flight import CollectiveError, DoneLocally, Pending, SideStream
 from .labels import label
 
+# torch 2.13 renamed these; older releases (2.11 on the GPU machine) have only the old names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-CALLS = ("full_state_dict", "save_checkpoint", "load_checkpoint", "load_state_dict")
-"""The collective calls that training does not make, opened on the calls channel (`Comm.announce`)."""
+
 
 @dataclass
 class CommLedger:
-    """Elements moved per rank, by collective kind: during the current step, the last finished step,
-    and since the engine was built. Collectives made outside training (set-up, state dicts, layout
-    changes) count only in `cumulative`."""
+    """Elements moved per rank by collective kind: in the current step, the last one, and since the
+    engine was built (`cumulative`, the only count of collectives outside training)."""
 
     current: Counter = field(default_factory=Counter)
     last_step: Counter = field(default_factory=Counter)
@@ -118,16 +86,12 @@ atexit.register(_CHANNELS.clear)   # release the groups while the interpreter is
 
 def _channel_groups(parent: dist.ProcessGroup | None, backend: str, timeout_s: float
                     ) -> tuple[tuple, list[dist.ProcessGroup]]:
-    """(cache key, [reduce, gather, control, statistics, calls] groups) over the ranks of `parent` (see the module
-    docstring): created by the first engine on those ranks, shared by the later ones. Every rank of
-    `parent` creates them at the same point, its first initialize with these settings.
-
-    How torch names the groups decides whether the ranks meet. A group over only some ranks is
-    created with `use_local_synchronization` (the other ranks never call): torch names it after
-    the number of groups this process has registered, so the members must have registered equally
-    many. A group over every rank is created the ordinary way, named by the count of `new_group`
-    calls, which every rank makes alike: a user's `dist.new_group([0, 1])` on 3 ranks registers a
-    group on ranks 0-1 only, and local names would then differ and time out in the rendezvous."""
+    """(cache key, [reduce, gather, control, statistics, calls] groups) over the ranks of `parent`,
+    created by the first engine on those ranks. They are never destroyed with an engine: torch names
+    a new group after the number of live groups, and a re-created one would find its predecessor's
+    rendezvous keys. A group over some ranks only is created with `use_local_synchronization`
+    (named after this process's group count); one over every rank the ordinary way (named by the
+    count of `new_group` calls, which every rank makes alike even when a user's own groups differ)."""
     parent = parent if parent is not None else dist.group.WORLD
     key = (id(parent), backend, timeout_s)
     if key not in _CHANNELS:
@@ -165,11 +129,8 @@ def backend_for(group: dist.ProcessGroup | None, device: torch.device) -> str:
 
 class Comm:
     """Collectives of one engine over the ranks of `group` on `device`, each counted in the ledger.
-
-    `gather_channel=True` gives parameter gathers their own group (stage 3). Reductions average over the group (ReduceOp.AVG), as DDP
-    averages gradients. With `async_op=True` a call returns the `Pending` handle to wait on later;
-    otherwise it waits before returning.
-    """
+    Reductions average, as DDP does; `async_op=True` returns the `Pending` to wait on later.
+    `gather_channel=True` gives parameter gathers their own group (stage 3)."""
 
     def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger, device: torch.device,
                  timeout_s: float = 300.0, gather_channel: bool = False):
@@ -193,11 +154,11 @@ class Comm:
                 self.gather_group = self.reduce_group
         self.reduce_stream = SideStream(device)   # where reductions are waited on and followed up
         self.issued = 0                           # collectives started so far (their numbers in a trace)
-        self.failed = False                       # a collective did not complete: see _retire
+        self.failed = False                       # a collective did not complete: see retire
 
-    def _retire(self) -> None:
-        """A collective failed: later engines must not reuse these channels, and this Comm's ranks
-        may be at different points of their sequences, so its engine cannot go on (`failed`)."""
+    def retire(self) -> None:
+        """A collective failed: later engines must not reuse these channels, and this engine cannot
+        go on (`failed`): its ranks may be at different points of their sequences."""
         self.failed = True
         if self._channels is not None and self._channels in _CHANNELS \
                 and _CHANNELS[self._channels][1][2] is self.control_group:
@@ -210,7 +171,7 @@ class Comm:
         return label("zero_ref::issue", kind, f"#{self.issued}", tensor.numel(), tensor.numel() * tensor.element_size())
 
     def _issue(self, work, what: str, async_op: bool, then=None) -> Pending | None:
-        pending = Pending(work, what, self.rank, self.timeout_s, self._retire, self.issued, then)
+        pending = Pending(work, what, self.rank, self.timeout_s, self.retire, self.issued, then)
         if async_op:
             return pending
         pending.wait()
@@ -275,24 +236,6 @@ class Comm:
         self._issue(work, f"broadcast of {tensor.numel()} elements", async_op=False)
 
     # --- control messages ---------------------------------------------------------------------------
-    def announce(self, call: str) -> None:
-        """Open the collective call `call` (one of `CALLS`) on every rank, before any of its
-        collectives: every rank sends the call's name on the calls channel. If a rank is not making
-        it, this rank waits here alone and raises CollectiveError after `timeout_s`; if the ranks
-        make different calls, ValueError on every rank, and nothing else was done."""
-        if self.alone or self.backend == "fake":
-            return
-        mine = torch.tensor([CALLS.index(call)], dtype=torch.int64)
-        gathered = mine.repeat(self.world_size)
-        work = all_gather_tensor(gathered, mine, group=self.calls_group, async_op=True)
-        Pending(work, f"{call} (a collective call: every rank must make it)", self.rank, self.control_timeout_s,
-                self._retire).wait()
-        made = [CALLS[code] for code in gathered.tolist()]
-        if len(set(made)) > 1:
-            each = ", ".join(f"rank {rank}: {name}" for rank, name in enumerate(made))
-            raise ValueError(f"the ranks made different collective calls at once ({each}): each must be made by "
-                             "every rank, at the same point of the program. Nothing was done")
-
     def exchange(self, values: list[int]) -> list[list[int]]:
         """Every rank's list of `len(values)` integers (the same length on every rank), in rank order.
         A fake group returns this rank's values for every rank."""
@@ -300,7 +243,7 @@ class Comm:
         gathered = mine.repeat(self.world_size)
         with self._label_issue("control", gathered):
             work = all_gather_tensor(gathered, mine, group=self.control_group, async_op=True)
-        Pending(work, "control exchange", self.rank, self.control_timeout_s, self._retire, self.issued).wait()
+        Pending(work, "control exchange", self.rank, self.control_timeout_s, self.retire, self.issued).wait()
         return gathered.view(self.world_size, len(values)).tolist()
 
     def statistics(self, stats: torch.Tensor, op: str = "sum") -> None:
@@ -315,7 +258,7 @@ class Comm:
             reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
             work = dist.all_reduce(host, op=reduce_op, group=self.statistics_group, async_op=True)
         Pending(work, f"all_reduce ({op}) of {stats.numel()} step statistics", self.rank, self.control_timeout_s,
-                self._retire, self.issued).wait()
+                self.retire, self.issued).wait()
         if host is not stats:
             stats.copy_(host)
 
@@ -325,7 +268,7 @@ class Comm:
         try:
             dist.all_gather_object(gathered, obj, group=self.control_group)
         except RuntimeError as err:
-            self._retire()
+            self.retire()
             raise CollectiveError(f"rank {self.rank}: an exchange of Python objects did not complete: another rank "
                                   f"has probably died, raised, or diverged ({str(err).splitlines()[0][:300]})") from err
         return gathered

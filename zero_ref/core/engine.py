@@ -1,26 +1,20 @@
 """The training step of every stage: forward, backward, step, in that order.
 
-The engine knows the order of a step; the stage files know what is sharded and what moves:
-
     out = engine(batch)      the model's forward (floating inputs cast to the model dtype);
                              stage 3 gathers each unit around its root module here
     engine.backward(loss)    backward of loss * loss_scale / grad_accum_steps; the stage reduces
-                             gradients during it (stages 0-1 only on the step's last micro-batch)
+                             gradients during it (stages 0-1 on the step's last micro-batch only)
                              and every reduction of the micro-batch has finished on return
-    engine.step()            at a step boundary: the vote (grad_stats.py: norm, non-finite flag,
-                             which parameters got a gradient, in one small all-reduce and one host
-                             sync), skip on every rank alike if non-finite, clip, fused AdamW on this
-                             rank's segments (optim.py), regather (stages 1-2), clear the gradients
+    engine.step()            at a step boundary: the vote (optim.GradStats: norm, non-finite flag,
+                             which parameters got a gradient; one small all-reduce, one host sync),
+                             skip on every rank alike if non-finite, clip, fused AdamW on this
+                             rank's segments, regather (stages 1-2), clear the gradients
 
 Vocabulary: a *group* is parameters laid back to back in one flat buffer padded to a multiple of
-Nd (stages 0-2 call their groups *buckets*, stage 3 *units*); a *shard* is rank r's 1/Nd of it; a
-*segment* is what this rank's optimizer updates of one group (its shard, or the whole group at
-stage 0); a *piece* is the part of one parameter inside one segment.
-
-Everything that protects a step against its caller (ranks that disagree, a failure on one rank,
-parameters written from outside) is behind the `Seams` the engine calls (seams.py); the full
-contract is docs/contract.md. Phases are labelled for torch.profiler: "zero_ref.forward",
-"zero_ref.backward", "zero_ref.optimizer", "zero_ref.after_update" (labels.py).
+Nd (stages 0-2 call theirs *buckets*, stage 3 *units*); a *shard* is rank r's 1/Nd of it; a
+*segment* is what this rank's optimizer updates of one group (its shard; the whole group at
+stage 0); a *piece* is the part of one parameter inside one segment. What protects a step against
+its caller is behind the `Seams` (seams.py); the full contract is docs/contract.md.
 """
 
 from __future__ import annotations
@@ -34,10 +28,9 @@ from torch.utils._pytree import tree_map
 from ..config import ZeroConfig
 from ..param_groups import ZeroOptimizer, build_groups
 from .comm import Comm, CommLedger
-from .grad_stats import GradStats, StepVote
+from .optim import GradStats, LossScaler, StepVote
 from .in_flight import CollectiveError
 from .labels import label
-from .precision import LossScaler
 from .seams import Seams
 from .stage0 import Stage0
 from .stage1 import Stage1
@@ -47,14 +40,12 @@ from .stage_base import Stage
 
 
 class Engine:
-    """Trains one model with ZeRO stage `config.stage` over a data-parallel process group
-    (`zero_ref.initialize` builds it).
+    """Trains one model with ZeRO stage `config.stage` over a data-parallel process group.
 
-    Attributes: `module` (the model), `config`, `stage`, `optimizer` (the parameter groups as a torch
-    Optimizer, for lr schedulers), `global_step` (updates applied), `micro_step` (backwards since
-    the last update), `loss_scale`, `skipped_steps` (non-finite gradients), `grad_norm` (the L2 norm
-    of the averaged gradient the last step used, before clipping and without the loss scale, as
-    torch's clip_grad_norm_ returns it; inf after a skipped step; None before the first).
+    Attributes: `module`, `config`, `stage`, `optimizer` (the param groups as a torch Optimizer, for
+    lr schedulers), `global_step` (updates applied), `micro_step` (backwards since the last update),
+    `loss_scale`, `skipped_steps`, `grad_norm` (of the averaged, unscaled gradient before clipping,
+    as clip_grad_norm_ returns it; inf after a skipped step; None before the first).
     """
 
     def __init__(self, model: nn.Module, config: ZeroConfig, process_group, mp_group=None, materializer=None,
@@ -92,11 +83,11 @@ class Engine:
         self.seams.started(self)
 
     def _build(self, model: nn.Module, trainable: list[nn.Parameter], materializer) -> None:
-        """Give the model values (sharded construction: materialize.py), start every rank from rank
-        0's, then lay the trainable parameters into the stage's flat buffers."""
+        """Give the model values (sharded construction: materialize.py), every rank rank 0's, then lay
+        the trainable parameters into the stage's flat buffers."""
         sharded_construction = materializer is not None and self.config.stage == 3
         if materializer is not None:
-            self._start_from_rank0_rng()
+            materializer.start_from_rank0_rng(self.comm)
             if sharded_construction:   # the stage keeps its shards of each module's values as they appear
                 self.stage: Stage = Stage3(model, trainable, self.config, self.comm, materializer)
             else:
@@ -112,18 +103,6 @@ class Engine:
         if not sharded_construction:
             self.stage = Stage3(model, trainable, self.config, self.comm) if self.config.stage == 3 else \
                 {0: Stage0, 1: Stage1, 2: Stage2}[self.config.stage](trainable, self.config, self.comm)
-
-    def _start_from_rank0_rng(self) -> None:
-        """Sharded construction draws initial values on every rank: start them all from rank 0's RNG."""
-        if self.comm.world_size == 1:
-            return
-        states = {"cpu": torch.get_rng_state()}
-        if self.comm.device.type == "cuda":
-            states["cuda"] = torch.cuda.get_rng_state(self.comm.device)
-        states = self.comm.all_gather_object(states)[0]
-        torch.set_rng_state(states["cpu"])
-        if "cuda" in states:
-            torch.cuda.set_rng_state(states["cuda"], self.comm.device)
 
     # --- the training step -----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -171,10 +150,8 @@ class Engine:
         return self.micro_step > 0 and self.micro_step % self.config.grad_accum_steps == 0
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Backward of `loss` (scaled by the fp16 loss scale and 1 / grad_accum_steps). At a step
-        boundary every gradient reduction of the step has finished on return. Each call is one
-        micro-batch, so two losses of one forward backwarded apart (the first with
-        `retain_graph=True`) count two."""
+        """Backward of `loss` times the loss scale / grad_accum_steps: one micro-batch per call. At a
+        step boundary every gradient reduction of the step has finished on return."""
         self.check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects the scalar loss tensor of this micro-batch")
@@ -199,9 +176,8 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> bool:
-        """At a step boundary, update: True when the parameters changed; False when there was
-        nothing to do (mid-accumulation, or no backward since the last step) or the step was
-        skipped for non-finite gradients, on every rank alike."""
+        """At a step boundary, update: True when the parameters changed; False mid-accumulation, with
+        no backward since the last step, or when non-finite gradients skipped it (on every rank)."""
         self.check_open()
         self.check_clean()
         if not self.at_boundary:
@@ -238,15 +214,13 @@ class Engine:
         return True
 
     def vote(self, stepping: bool = False, discarding: bool = False) -> StepVote:
-        """The step's vote (grad_stats.py) with the seams' fields; `stepping`: sent by step(),
-        `discarding`: by a call that drops the step."""
+        """The step's vote (optim.GradStats) with the seams' fields."""
         counts, same = self.seams.vote(self, stepping, discarding)
         return self.grad_stats.vote(counts, same, mp_counts=self.seams.mp_counts)
 
     @property
     def ranks_summed(self) -> int:
-        """How many ranks' values a sum over the data-parallel group adds up: a fake group (the
-        engine at scale, analysis/at_scale.py) sums nothing, so every "sum" is this rank's own."""
+        """How many ranks a sum over the data-parallel group adds up (a fake group's: this rank's own)."""
         return 1 if self.comm.backend == "fake" else self.comm.world_size
 
     def _skip_step(self) -> bool:
@@ -269,11 +243,9 @@ class Engine:
         self.ledger.close_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Discard the gradients accumulated since the last step, but not their place in the step:
-        the boundary stays where the backwards since the last update put it, as in a torch loop
-        that steps every grad_accum_steps micro-batches. With `set_to_none=False` the parameters
-        that got a gradient keep one of zeros, as in torch: at a boundary the step then still
-        updates them (weight decay, momentum)."""
+        """Discard the gradients since the last step, not their place in it (the boundary stays, as
+        in a torch loop stepping every grad_accum_steps). `set_to_none=False`: parameters that got a
+        gradient keep one of zeros, so a step at a boundary still updates them, as in torch."""
         self.check_open()
         keep_boundary = not set_to_none and self.at_boundary and not self.stage.polluted
         if not keep_boundary:
@@ -307,16 +279,13 @@ class Engine:
         return self.scaler.scale
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
-        """Elements moved per rank by collective kind, for the last step and cumulatively, counted
-        as the paper counts (all-reduce of n: 2n; reduce-scatter or all-gather of n: n)."""
+        """Elements moved per rank by collective kind, last step and cumulative, as the paper counts."""
         return self.ledger.stats()
 
     # --- release ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove every hook the engine registered (their communication channels are shared with
-        other engines on the same ranks: comm.py). The model keeps its parameters (stage 3: their
-        storage stays freed; take full_state_dict() first). Any method but close, memory_report and
-        comm_stats then raises. Closing twice is a no-op."""
+        """Remove every hook the engine registered. The model keeps its parameters (stage 3: freed;
+        take full_state_dict() first); any method but close, memory_report and comm_stats then raises."""
         if self.closed:
             return
         self.stage.close()

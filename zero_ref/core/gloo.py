@@ -1,16 +1,11 @@
 """gloo's workarounds, in one place: what the CPU backend needs that NCCL does not.
 
-* A reduce-scatter: gloo's own all-reduces the whole buffer and keeps one chunk, moving twice and
-  summing world_size times what a reduce-scatter needs (4 ranks, 786,432 fp32 elements: 8.5 ms
-  against 4.5 ms for this, medians of 30, torch 2.13). Here it is one all-to-all and a local sum
-  (`reduce_scatter_by_all_to_all`); the element counter below the engine
-  (analysis/collective_count.py) is told that this all-to-all is a reduce-scatter (`counted_as`).
-* Completion: gloo's own reduce-scatter never reports it before a wait (`Work.is_completed()` stays
-  False, torch 2.13); its all-to-all does, so stage 3's reducer can poll the reductions in flight
-  without a waiting thread (in_flight.Pending.settle).
-* An fp16 average: gloo sums in fp16 before dividing, so gradients whose mean fits fp16 overflowed at
-  world 2 (a loss-scaled 2 * 16384). The all-reduce divides first, as torch's DDP does
-  (`divide_first`); the reduce-scatter sums in fp32.
+* Reduce-scatter: gloo's all-reduces the whole buffer and keeps one chunk (4 ranks, 786,432 fp32
+  elements: 8.5 ms against 4.5 ms for this). Here it is one all-to-all and a local sum, which also
+  reports completion without a wait (gloo's own never does), so stage 3 can poll its reductions.
+  The element counter (analysis/collective_count.py) counts that all-to-all as a reduce-scatter.
+* fp16 average: gloo sums in fp16 before dividing, which overflowed at world 2; the all-reduce
+  divides first, as DDP does, and the reduce-scatter sums in fp32.
 """
 
 from __future__ import annotations
@@ -26,8 +21,7 @@ _counted_kind: ContextVar[str | None] = ContextVar("zero_ref_counted_kind", defa
 
 @contextmanager
 def counted_as(kind: str):
-    """Count the collectives issued inside the block (on this thread) as `kind`, the collective
-    they carry out; their elements are counted by their own rule."""
+    """Count the collectives issued inside the block (this thread) as `kind`, the one they carry out."""
     token = _counted_kind.set(kind)
     try:
         yield
@@ -47,10 +41,8 @@ def divide_first(tensor: torch.Tensor, world_size: int) -> dist.ReduceOp:
 
 
 def reduce_scatter_by_all_to_all(output: torch.Tensor, full: torch.Tensor, group, world_size: int):
-    """Rank r receives chunk r of every rank's `full` in one all-to-all (n elements in, n out, as the
-    paper counts a reduce-scatter) and, once the wait returns, sums those rows in rank order into
-    `output` and divides by the world size. The receive buffer, as large as `full`, lives until then
-    and is freed there. Returns (work, what to run after the wait)."""
+    """Rank r receives chunk r of every rank's `full` in one all-to-all and, after the wait, sums the
+    rows in rank order into `output` and divides by the world size. Returns (work, that sum)."""
     received = torch.empty_like(full)   # row j: rank j's chunk r
     with counted_as("reduce_scatter"):
         work = dist.all_to_all_single(received, full, group=group, async_op=True)

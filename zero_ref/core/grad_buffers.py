@@ -1,23 +1,20 @@
-"""Where gradients live while they are accumulated and reduced.
+"""Gradient hooks, and where gradients live while they are reduced (stages 2-3; stages 0-1 keep
+a full buffer: bucketed.py).
 
-`FullGradBuffer` (stages 0 and 1): one flat buffer of the whole model, alive for the whole run.
-`ShardedGradBuckets` (stages 2 and 3): buffers of at most one bucket taken from a `BucketPool`
-while a group fills and reduces, then given back (a larger group is reduced in bucket-size
-pieces); only this rank's reduced shard stays.
+Every trainable parameter gets two autograd hooks (`register_grad_hooks`): *before* runs just
+before autograd adds a gradient into `param.grad` (stages 2-3 point `.grad` at the parameter's
+range in a bucket first, so autograd accumulates straight into it); *after* runs once every use
+of the parameter in this backward has been accumulated, and tells `GroupArrivals`.
 
-In both, a parameter's `.grad` is a view of its range in the buffer whenever the buffer has the
-parameter's dtype, so autograd accumulates straight into it: no per-parameter copy, no allocation
-per step. With `reduce_dtype="fp32"` under bf16/fp16 the dtypes differ: autograd's gradient is
-added into the fp32 buffer and dropped (the cost of accumulating in fp32).
+Collectives pair up by position, so a group (bucket or unit) whose gradients are complete is
+launched only once every group before it in a launch order shared by all ranks has been; at the
+end of backward `flush` launches the rest (zeros for parameters that got no gradient). Gradients
+may arrive in any order on each rank (data-dependent control flow); only the launch order agrees.
 
-Reductions are launched on the communication side stream (`comm.reduce_stream`, CUDA only) and
-waited on there, so the compute stream never stalls behind one; `end_backward`/`drain` makes the
-compute stream wait once, at the end of backward.
-
-Profiler labels (labels.py): "zero_ref::reduce bucket <g>" where a bucket's reduction starts,
-and for stages 2-3 "zero_ref::take bucket <g>" where a bucket gets its buffer from the pool and
-"zero_ref::reduced bucket <g>" where its reduced chunk is added into the shard and the buffer goes
-back.
+`ShardedGradBuckets` takes buffers of at most one bucket from a `BucketPool` (the paper's
+constant-size buffers, CB) while a group fills and reduces, then gives them back; only this
+rank's reduced shard stays. Reductions run on the communication side stream (CUDA), and the
+compute stream waits once, at the end of backward.
 """
 
 from __future__ import annotations
@@ -28,13 +25,13 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .labels import label
-from .grad_hooks import GroupArrivals
-from .partition import FlatGroup, GroupLayout
+from .partition import FlatGroup
 
 
-def _points_at(param: nn.Parameter, view: torch.Tensor) -> bool:
+def points_at(param: nn.Parameter, view: torch.Tensor) -> bool:
     grad = param.grad
     if grad is None or grad.data_ptr() != view.data_ptr():
         return False
@@ -44,91 +41,71 @@ def _points_at(param: nn.Parameter, view: torch.Tensor) -> bool:
     return True
 
 
-class FullGradBuffer:
-    """A full flat gradient buffer, one slice per bucket (stages 0 and 1).
+class GroupArrivals:
+    """Counts each group's gradient arrivals in one backward and calls `launch(g)` in `order` (group
+    indices, the same on every rank; index order by default)."""
 
-    Gradients of every micro-batch accumulate here. On a micro-batch that ends a step, each bucket
-    is handed to `reduce(g)` (which starts its collective and returns the pending handle) as soon as
-    it is complete and in the same order on every rank, with at most `max_in_flight` reductions in
-    flight (gloo stages a copy of each input); `end_backward` launches what is left and waits.
-    """
+    def __init__(self, groups: Sequence[FlatGroup], launch: Callable[[int], None],
+                 order: Sequence[int] | None = None):
+        self.groups = groups
+        self.launch = launch
+        self.order = list(order) if order is not None else list(range(len(groups)))
+        self.reset()
 
-    def __init__(self, layout: GroupLayout, dtype: torch.dtype, device: torch.device, comm,
-                 reduce: Callable[[int], object], max_in_flight: int = 2):
-        self.layout, self.comm, self.reduce = layout, comm, reduce
-        self.max_in_flight = max_in_flight
-        self.flat = torch.zeros(layout.full_numel, dtype=dtype, device=device)
-        self.views = {}
-        for g, group in enumerate(layout.groups):
-            bucket = layout.full_slice(self.flat, g)
-            for param, start, end in group.param_ranges():
-                self.views[id(param)] = bucket[start:end].view(param.shape)
-        self.arrivals = GroupArrivals(layout.groups, self._launch)
-        self.boundary = True
-        self.in_flight: deque = deque()
-        self.bind()
+    def reset(self) -> None:
+        """Forget the previous backward."""
+        self.arrived = [[False] * len(g.params) for g in self.groups]
+        self.missing = [len(g.params) for g in self.groups]
+        self.launched = [False] * len(self.groups)
+        self.position = 0
 
-    def bucket(self, g: int) -> torch.Tensor:
-        return self.layout.full_slice(self.flat, g)
+    def set_order(self, order: Sequence[int]) -> None:
+        self.order = list(order)
 
-    def bind(self) -> None:
-        """Point every parameter's `.grad` at its range of the buffer (when the dtypes agree)."""
-        for group in self.layout.groups:
-            for param in group.params:
-                view = self.views[id(param)]
-                param.grad = view if view.dtype == param.dtype else None
+    def arrive(self, g: int, i: int) -> None:
+        """Parameter i of group g has its gradient for this backward."""
+        if self.launched[g]:
+            shape = tuple(self.groups[g].params[i].shape)
+            raise RuntimeError(
+                f"a gradient for a parameter of shape {shape} in group {g} arrived after that group was "
+                "reduced: a parameter's gradient was produced twice in one backward. Reentrant activation "
+                "checkpointing does this (torch.utils.checkpoint(..., use_reentrant=True) runs a backward of "
+                "its own per checkpoint, so a parameter used in two checkpoints, or inside and outside one, "
+                "gets two gradients): use use_reentrant=False")
+        if not self.arrived[g][i]:
+            self.arrived[g][i] = True
+            self.missing[g] -= 1
+        while self.position < len(self.order) and self.missing[self.order[self.position]] == 0:
+            self._launch_next()
 
-    def add(self, g: int, i: int, param: nn.Parameter) -> None:
-        """After-hook body: make sure the gradient is in the buffer, then count it."""
-        view = self.views[id(param)]
-        if not _points_at(param, view):   # fp32 reduction, or the user replaced or cleared `.grad`
-            view.add_(param.grad.reshape(view.shape))
-            param.grad = view if view.dtype == param.dtype else None
-        if self.boundary:
-            self.arrivals.arrive(g, i)
+    def _launch_next(self) -> None:
+        g = self.order[self.position]
+        self.position += 1
+        self.launched[g] = True
+        self.launch(g)
 
-    def _launch(self, g: int) -> None:
-        with label("zero_ref::reduce bucket", g), self.comm.reduce_stream.after_current():
-            pending = self.reduce(g)
-        if pending is not None:
-            self.in_flight.append(pending)
-            while len(self.in_flight) > self.max_in_flight:
-                self._wait_oldest()
+    def flush(self) -> None:
+        """Launch every group not launched yet, in order."""
+        while self.position < len(self.order):
+            self._launch_next()
 
-    def _wait_oldest(self) -> None:
-        with self.comm.reduce_stream.on():
-            self.in_flight.popleft().wait()
 
-    def begin_backward(self, boundary: bool) -> None:
-        self.boundary = boundary
-        self.arrivals.reset()
-
-    def end_backward(self, boundary: bool) -> None:
-        if not boundary:
-            return   # gradients keep accumulating locally until the last micro-batch
-        self.arrivals.flush()
-        while self.in_flight:
-            self._wait_oldest()
-        self.comm.reduce_stream.join()
-
-    def zero(self) -> None:
-        """Zero the buffer, once any reduction still writing into it has finished (a backward that
-        raised may have left some in flight; they pair up with the other ranks', so they complete)."""
-        if self.in_flight:
-            while self.in_flight:
-                self._wait_oldest()
-            self.comm.reduce_stream.join()
-        self.flat.zero_()
+def register_grad_hooks(params: Sequence[nn.Parameter], after: Callable[[nn.Parameter], None],
+                        before: Callable[[nn.Parameter], None] | None = None) -> list[RemovableHandle]:
+    """Call `before(param)` just before autograd accumulates a gradient into `param.grad` (if given)
+    and `after(param)` once it has accumulated all of this backward's uses of `param`."""
+    handles = []
+    for param in params:
+        if before is not None:
+            handles.append(param.register_hook(lambda grad, p=param: before(p)))
+        handles.append(param.register_post_accumulate_grad_hook(after))
+    return handles
 
 
 class BucketPool:
-    """Bucket buffers reused across groups and backwards (the paper's constant-size buffers, CB).
-
-    Every buffer has the same `buffer_numel` elements, so any free one serves any request and the
-    pool holds exactly as many as were ever in use at once. `take(n)` returns a zeroed view of n
-    elements of a free buffer (once the stream that last used it has finished with it) or of a new
-    one; `give` returns it.
-    """
+    """Bucket buffers of `buffer_numel` elements reused across groups and backwards (CB): the pool
+    holds as many as were ever in use at once. `take(n)` returns a zeroed view of n elements of a
+    free buffer (once its last stream is done with it) or of a new one; `give` returns it."""
 
     def __init__(self, buffer_numel: int, dtype: torch.dtype, device: torch.device):
         self.buffer_numel, self.dtype, self.device = buffer_numel, dtype, device
@@ -154,27 +131,20 @@ class BucketPool:
 
 
 class ShardedGradBuckets:
-    """Gradient buckets that exist only while a group fills and reduces (stages 2 and 3).
+    """Gradient buckets that exist only while a group fills and reduces (stages 2 and 3), each at
+    most `piece_numel` elements (a multiple of Nd): the paper's CB, whatever a group's size.
 
-    Every buffer is at most `piece_numel` elements (rounded up to a multiple of Nd): the paper's
-    constant-size buffers, whatever the size of a group.
-    - A group that fits is one bucket: `bind(g)` (before-hook) takes it from the pool and points the
-      group's `.grad` at it, so autograd accumulates there; `add` (after-hook) makes sure a gradient
-      is in it. `reduce_scatter(g)` averages it over the ranks in place.
-    - A larger group (stage 3's units, a big embedding at stage 2) is reduced in pieces: autograd
-      keeps each parameter's gradient (`add` holds on to it) and `reduce_scatter(g)` copies columns
-      [lo, lo + w) of every rank's shard into one buffer of Nd * w elements and reduce-scatters that,
-      piece after piece; the gradients are dropped once copied.
-    Once a reduction is done, this rank's chunk is added into `grad_shards[g]` and the buffer goes
-    back to the pool. With `may_block`, at most `max_in_flight` reductions run while backward goes on
-    (older ones are waited for; by default one reduces while the next buffer fills: two buffers);
-    without it (stage 3 on gloo, where an unbounded host wait could deadlock against a peer that
-    first needs a parameter gather from this rank, or a gather round) every reduction is issued
-    asynchronously, even without `overlap`; finished reductions are harvested as gradients
-    arrive (`harvest`), a launch past `max_in_flight` (0 without `overlap`) waits at most
-    `patience_s` for the oldest (after one such wait runs out, none more until `drain`), and
-    `drain()` waits for the rest. So the buffers stay at max_in_flight + 1 unless a reduction takes longer than
-    `patience_s` (ranks out of step, a very slow link).
+    - A group that fits is one bucket: `bind(g)` (before-hook) points the group's `.grad` into it,
+      `add` (after-hook) makes sure a gradient is in it, `reduce_scatter(g)` averages it in place.
+    - A larger group (a stage-3 unit, a big embedding) is reduced in pieces: `add` holds each
+      gradient, and `reduce_scatter(g)` copies columns [lo, lo + w) of every rank's shard into one
+      buffer of Nd * w elements and reduce-scatters that, piece after piece.
+    A finished reduction adds this rank's chunk into `grad_shards[g]` and gives the buffer back.
+    With `may_block`, at most `max_in_flight` reductions run while backward goes on. Without it
+    (stage 3 on gloo: an unbounded wait could deadlock against a peer that first needs a gather
+    from this rank) every reduction is asynchronous, finished ones are `harvest`ed as gradients
+    arrive, a launch past `max_in_flight` waits at most `patience_s` for the oldest, and `drain`
+    waits for the rest.
     """
 
     def __init__(self, comm, groups: Sequence[FlatGroup], grad_shards: list[torch.Tensor], dtype: torch.dtype,
@@ -220,7 +190,7 @@ class ShardedGradBuckets:
         else:
             start = self.groups[g].offsets[i]
             view = self._bucket(g)[start:start + param.numel()]
-            if not _points_at(param, view):
+            if not points_at(param, view):
                 view.add_(param.grad.reshape(-1))
         param.grad = None
 
@@ -266,9 +236,6 @@ class ShardedGradBuckets:
 
     def _launch(self, g: int, lo: int, buffer: torch.Tensor) -> None:
         with label("zero_ref::reduce bucket", g), self.comm.reduce_stream.after_current():
-            # without may_block even overlap=False must not wait unboundedly inside the call: a peer
-            # whose data left this group's gradients out reduces it only after the backward's last
-            # gather round, which this rank must reach first. It waits below, bounded, instead
             pending = self.comm.reduce_scatter(self._own_chunk(buffer), buffer,
                                                async_op=self.overlap or not self.may_block)
         self.in_flight.append((g, lo, buffer, pending))
@@ -277,10 +244,8 @@ class ShardedGradBuckets:
                 self._finish_oldest()
         else:
             self.harvest()
-            # Give the oldest reduction a moment to finish, so that its buffer is reused rather than
-            # a new one made; never longer than `patience_s`, so a peer that first needs a gather
-            # from this rank gets it. A wait that runs out means the ranks are not in step (their
-            # data chose other module orders): no more waiting until this backward ends.
+            # let the oldest finish so its buffer is reused, bounded: a wait that runs out means the
+            # ranks are not in step (other module orders), so no more waiting in this backward
             while self.patient and len(self.in_flight) > self.max_in_flight and self.in_flight[0][3] is not None:
                 if not self.in_flight[0][3].settle(self.patience_s):
                     self.patient = False
@@ -312,9 +277,8 @@ class ShardedGradBuckets:
         self.patient = True
 
     def discard(self) -> None:
-        """Forget a backward that did not finish (engine.backward raised, then engine.zero_grad):
-        wait for the reductions it launched (they pair up with the other ranks'), give every buffer
-        back and drop the gradients held or half accumulated, adding nothing into the shards."""
+        """Forget a backward that did not finish: wait for the reductions it launched (they pair up
+        with the other ranks'), give every buffer back, drop held gradients, add nothing."""
         self.drain(keep=False)
         for g, bucket in self.filling.items():
             for param in self.groups[g].params:

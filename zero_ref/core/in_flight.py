@@ -1,10 +1,7 @@
-"""A collective in flight: the bounded wait that turns a dead or stuck peer into CollectiveError
-(`Pending`), the handle of one done locally over a group of one rank (`DoneLocally`), and the CUDA
-side stream that communication and the work after it run on (`SideStream`).
-
-On the CPU (gloo) the host waits for a collective at most `timeout_s` seconds; on CUDA (NCCL,
-`timeout_s=None`) a wait only makes the current stream wait, and NCCL's watchdog bounds the
-collective itself (comm.py creates the groups with the timeout).
+"""A collective in flight (`Pending`: a bounded wait that turns a dead or stuck peer into
+CollectiveError), one done locally over a group of one rank (`DoneLocally`), and the CUDA side
+stream communication runs on (`SideStream`; no-ops on the CPU). On CUDA a wait only makes the
+current stream wait, and NCCL's watchdog bounds the collective itself.
 """
 
 from __future__ import annotations
@@ -28,29 +25,19 @@ class CollectiveError(RuntimeError):
 
 
 class Pending:
-    """A collective in flight. `wait()` blocks the host at most `timeout_s` seconds (gloo) or, with
-    `timeout_s=None` (NCCL), only makes the current CUDA stream wait; a failure becomes a
-    CollectiveError naming the collective.
-
-    `done()` asks the backend whether the collective has finished, without blocking; `settle()`
-    polls it for a bounded time. (gloo's native reduce-scatter never reports completion before a
-    wait, measured on torch 2.13; the collectives zero-ref issues on gloo all do: gloo.py.)
-
-    `then`, if given, runs once on the caller's thread after the first wait that succeeds: the part
-    of a collective done locally once the data has arrived (the sum of a reduce-scatter made of an
-    all-to-all), so whoever waits sees the finished result.
+    """A collective in flight. `wait()` blocks the host at most `timeout_s` (gloo) or, with None
+    (NCCL), makes the current stream wait; a failure becomes a CollectiveError naming it. `done()`
+    asks whether it finished, `settle()` polls that a bounded while. `then` runs once after the
+    first successful wait: the local part of a collective (gloo.reduce_scatter_by_all_to_all's sum).
     """
 
     def __init__(self, work, what: str, rank: int, timeout_s: float | None, on_failure=None, seq: int | None = None,
                  then=None):
         self.work, self.what, self.rank, self.timeout_s = work, what, rank, timeout_s
         self.on_failure = on_failure
-        self.then = then   # run once, on the waiting thread, after the first wait that succeeds
-        self.seq = seq   # the collective's number on its Comm (pairs the wait with the issue in a trace)
+        self.then, self.seq = then, seq   # seq: the collective's number on its Comm (for traces)
 
     def wait(self) -> None:
-        # the label lets a profiler tell time spent waiting on communication, by kind, from compute
-        # (experiments/throughput.py splits a step into phases with it)
         started = time.monotonic()
         try:
             with label("zero_ref.wait", self.what.split()[0], *(() if self.seq is None else (f"#{self.seq}",))):
@@ -76,9 +63,7 @@ class Pending:
             then()
 
     def settle(self, seconds: float) -> bool:
-        """Wait at most `seconds` for the collective; True once it has finished. Never raises: a
-        failure is reported by `wait`. Labelled "zero_ref.wait <kind> settle" (no number: the
-        collective's own wait comes later), so a profile counts this time as waiting."""
+        """Wait at most `seconds`; True once finished. Never raises (`wait` reports failures)."""
         deadline = time.monotonic() + seconds
         with label("zero_ref.wait", self.what.split()[0], "settle"):
             while not self.done() and time.monotonic() < deadline:
@@ -91,9 +76,8 @@ class Pending:
 
 
 class DoneLocally:
-    """The work handle of a collective over one rank, done by the caller: on the CPU already
-    finished; on CUDA queued on the stream current at the call, so ``wait`` makes the waiting
-    stream wait for it (as NCCL's ``Work.wait`` does for a real collective)."""
+    """The handle of a collective over one rank, done by the caller: finished on the CPU; on CUDA
+    queued on the current stream, which `wait` makes the waiting stream wait for (as NCCL's)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -109,8 +93,7 @@ class DoneLocally:
 
 
 class SideStream:
-    """A CUDA stream beside the compute stream for communication and the work that follows it; on
-    the CPU every method is a no-op, so callers read the same on both."""
+    """A CUDA stream beside the compute stream for communication; every method a no-op on the CPU."""
 
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -1,54 +1,41 @@
-"""AdamW over flat fp32 segments, and the gradient-norm statistics that decide how to step.
+"""Sharded AdamW over flat fp32 segments, and the step's vote that decides how to step.
 
-What a rank updates is a list of *segments*, one per group (see the engine's vocabulary): the
-fp32 master segment, the gradient segment (in the reduce dtype, still multiplied by the loss
-scale) and, in mixed precision, the low-precision parameter segment that receives the rounded
-result. Masters and both moments live in contiguous fp32 buffers (`master_flat`, `exp_avg_flat`,
-`exp_avg_sq_flat`) laid out like the segments. In fp32 training the master *is* the parameter
-segment: no second copy. The update is one call per segment chunk into `triton_kernels` (the fused
-Triton kernel on CUDA, its torch twin elsewhere); chunks of at most `bucket_numel` bound the torch
-twin's temporaries (the paper's constant-size buffers).
+A rank updates one *segment* per group (the engine's vocabulary): the fp32 master, the gradient
+(reduce dtype, still loss-scaled) and, in mixed precision, the low-precision parameter segment
+that receives the rounded result. Masters and both moments live in contiguous fp32 buffers laid
+out like the segments; in fp32 training the master *is* the parameter segment. The update is one
+`triton_kernels.fused_adamw_` call per chunk of at most `bucket_numel` (the paper's CB).
 
-Each parameter takes the hyper-parameters of its parameter group (param_groups.py), read afresh
-at every step, so a learning-rate schedule applies exactly on the next step.
+As torch.optim.AdamW: each parameter takes its param group's hyper-parameters, read afresh at
+every step; a parameter that got no gradient on any rank is not updated at all (no weight decay),
+and each counts its own steps for the bias correction.
 
-Like torch.optim.AdamW, a parameter that got no gradient in a step (on any rank) is not updated at
-all (no weight decay either), and each parameter counts its own steps for the bias correction: the
-engine passes which parameters were used, and each segment is updated in runs of consecutive
-parameters that share a step count (one run per segment when every parameter was used).
-
-Before the update the engine asks `grad_stats` for [sum of squares, non-finite flag] over this
-rank's segments, one fused pass per chunk (the kernels' `norm_and_overflow`), sums them across
-ranks with one two-element all-reduce and reads them on the host once: that single sync decides
-skip or step (fp16 overflow, `nonfinite`) and the clipping coefficient. Overflow comes from the
-kernels' isfinite flag, never from the sum: finite gradients whose squares overflow fp32 have their
-sum recomputed in fp64 (`sum_of_squares_fp64`, the rare path).
+The vote (`GradStats.vote`): [sum of squares, non-finite flag, one 0/1 per parameter, a guard's
+named counts] summed across ranks in fp64 in one small all-reduce and read on the host once: that
+sync decides skip (fp16's `LossScaler`) or step, and the clipping. Each gradient element enters the
+sum once: stages 1-3 measure their shard; at stage 0 rank 0 measures, the others add zeros; a
+parameter replicated over the MP ranks adds 1/Nm of its square from each. Values every rank must
+hold alike (a guard's `same` fields) go in a MAX all-reduce of [x, -x]: alike exactly when
+max(x) == -max(-x). No hash, no wrap-around.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
 
 import triton_kernels
 
+from .. import tensor_parallel
 from ..config import ZeroConfig
 
 
 class ShardedAdamW:
-    """AdamW with torch.optim.AdamW's semantics over the segments one rank owns.
-
-    Args:
-        param_segments: this rank's parameter segments (views of the flat parameter buffers), one per
-            group; the masters start as their fp32 values.
-        pieces: (parameter index, param_start, param_end, g, segment_start) for every parameter piece
-            in the segments (the stage's `owned_pieces`, with the parameter's index among the
-            trainable ones).
-        num_params: how many trainable parameters there are (the length of `used` in `step`).
-        config: its bucket_numel bounds each update call (the hyper-parameters come with each step).
-        kernels: the `triton_kernels.load(...)` backend that runs the update and the norm.
-    """
+    """torch.optim.AdamW over this rank's `param_segments` (one per group; the masters start as their
+    fp32 values). `pieces`: (parameter index, param_start, param_end, g, segment_start) of every
+    parameter piece in them; `kernels`: the triton_kernels backend that runs update and norm."""
 
     def __init__(self, param_segments: list[torch.Tensor], pieces, num_params: int, config: ZeroConfig,
                  kernels: triton_kernels.Kernels):
@@ -93,8 +80,7 @@ class ShardedAdamW:
 
     # --- the norm and the overflow flag ----------------------------------------------------------
     def grad_stats(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """[sum of squares, 1.0 if any element is inf or NaN else 0.0] over `grads`: an fp32 tensor of
-        two elements on the device (no host sync), one fused pass per chunk."""
+        """[sum of squares, 1.0 if any element is non-finite] over `grads`, on the device (no sync)."""
         device = self.exp_avg_flat.device
         sum_sq = torch.zeros((), dtype=torch.float32, device=device)
         nonfinite = torch.zeros((), dtype=torch.bool, device=device)
@@ -113,8 +99,8 @@ class ShardedAdamW:
 
     # --- the update ------------------------------------------------------------------------------
     def _updates(self, g: int, used: list[bool], group_of: list[int]):
-        """[start, end, step, parameter group] ranges of segment g to update: consecutive used
-        parameters that share a step count and a parameter group (hence hyper-parameters), merged."""
+        """[start, end, step, param group] of segment g to update: runs of used parameters that share
+        a step count and a param group, merged."""
         merged: list[list[int]] = []
         for start, end, k in self.runs[g]:
             if not used[k]:
@@ -130,11 +116,9 @@ class ShardedAdamW:
     def step(self, grads: list[torch.Tensor], grad_scale: float, used: list[bool], group_of: list[int],
              hyper: list[tuple[float, float, float, float, float]],
              on_segment_done: Callable[[int], None] | None = None) -> None:
-        """One AdamW update of the used parameters in every segment; `grad_scale` multiplies the
-        gradients first (loss-scale inverse times the clipping coefficient). Parameter k takes the
-        hyper-parameters (lr, beta1, beta2, eps, weight_decay) of its group, `hyper[group_of[k]]`
-        (param_groups.py). `on_segment_done(g)` runs after segment g is written (stages 1-2 start
-        gathering that group's parameters while the next segment updates)."""
+        """One AdamW update of the used parameters, gradients times `grad_scale` (inverse loss scale
+        times clipping); parameter k takes (lr, beta1, beta2, eps, weight_decay) `hyper[group_of[k]]`.
+        `on_segment_done(g)` runs after segment g is written (stages 1-2 start its gather)."""
         self.step_count += 1
         for k, was_used in enumerate(used):
             self.param_steps[k] += int(was_used)
@@ -167,3 +151,129 @@ class ShardedAdamW:
     def state_tensors(self) -> list[torch.Tensor]:
         """The tensors that hold optimizer state (for memory accounting)."""
         return [*self.masters, self.exp_avg_flat, self.exp_avg_sq_flat]
+
+
+@dataclasses.dataclass
+class StepVote:
+    """What a step's vote told every rank (`GradStats.vote`)."""
+    grads: list[torch.Tensor]           # this rank's gradient segments
+    sum_sq: float = 0.0                 # of the averaged gradients, over every rank
+    nonfinite: float = 0.0              # > 0: a non-finite gradient somewhere
+    used: list[float] = dataclasses.field(default_factory=list)   # per parameter: ranks where it got a gradient
+    counts: dict[str, float] = dataclasses.field(default_factory=dict)   # a guard's counts, summed
+    same: dict[str, bool] = dataclasses.field(default_factory=dict)      # a guard's values: alike everywhere?
+
+
+class GradStats:
+    """The step's vote over the data-parallel ranks (and the norm's part over the MP ranks)."""
+
+    def __init__(self, stage, comm, mp_comm):
+        self.stage, self.comm, self.mp_comm = stage, comm, mp_comm
+
+    def local(self, grads: list[torch.Tensor], fp64: bool = False) -> torch.Tensor:
+        """This rank's [sum of squares, non-finite flag] as it enters the sums (fp64: the sum of
+        squares alone, for squares that overflow fp32)."""
+        optimizer = self.stage.optimizer
+        if not self.stage.grads_sharded and self.comm.rank != 0:
+            return torch.zeros(1 if fp64 else 2, dtype=torch.float64 if fp64 else torch.float32,
+                               device=self.stage.device)
+        measure = (lambda pieces: optimizer.sum_of_squares_fp64(pieces).view(1)) if fp64 else optimizer.grad_stats
+        stats = measure(grads)
+        if self.mp_comm is not None:
+            replicated = measure(self._replicated_pieces(grads))[0]
+            stats[0] -= replicated * (1.0 - 1.0 / self.mp_comm.world_size)
+        return stats
+
+    def sum(self, stats: torch.Tensor, mp_slots: list[int] = (0, 1)) -> None:
+        """Sum `stats` in place over the data-parallel ranks, then its `mp_slots` over the MP ranks."""
+        if self.comm.world_size > 1:
+            self.comm.statistics(stats, "sum")
+        if self.mp_comm is not None:
+            head = stats[list(mp_slots)].clone()
+            self.mp_comm.statistics(head, "sum")
+            stats[list(mp_slots)] = head
+
+    def vote(self, counts: dict[str, float], same: dict[str, list[float]], mp_counts: tuple[str, ...] = ()
+             ) -> StepVote:
+        """The step's vote (see the module docstring): one sum, and the MAX vote if `same` has fields."""
+        out = StepVote(grads=self.stage.grad_segments())
+        names = list(counts)
+        host = torch.tensor([*self.stage.used, *counts.values()], dtype=torch.float64)
+        norm = self.local(out.grads).double()   # the statistics are summed on the host: one sync here
+        stats = torch.cat([norm, host.to("meta")]) if norm.is_meta else torch.cat([norm.cpu(), host])
+        n_used = len(self.stage.used)
+        self.sum(stats, mp_slots=[0, 1, *(2 + n_used + names.index(n) for n in mp_counts)])
+        if stats.is_meta:   # the engine at scale (analysis/at_scale.py): no gradient values; as if every one were
+            out.used = [1.0] * n_used   # present and finite, so that the update makes its real allocations,
+            out.counts = dict(counts)   # and a fake group sums nothing: the counts are this rank's own
+        else:
+            out.sum_sq, out.nonfinite, *rest = stats.tolist()
+            out.used = rest[:n_used]
+            out.counts = dict(zip(names, rest[n_used:]))
+        if same:
+            out.same = self._alike(same)
+        return out
+
+    def _alike(self, same: dict[str, list[float]]) -> dict[str, bool]:
+        """Per field, whether every rank holds exactly the same values (one MAX all-reduce of [x, -x])."""
+        values = torch.tensor([v for field in same.values() for v in field], dtype=torch.float64)
+        both = torch.cat([values, -values])
+        if self.comm.world_size > 1:
+            self.comm.statistics(both, "max")
+        n, alike, start = len(values), {}, 0
+        highest, negated_lowest = both[:n], both[n:]
+        for name, field in same.items():
+            end = start + len(field)
+            alike[name] = bool(torch.equal(highest[start:end], -negated_lowest[start:end]))
+            start = end
+        return alike
+
+    def _replicated_pieces(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's gradient pieces of parameters replicated across the MP group."""
+        return [grads[g][offset:offset + end - start] for param, start, end, g, offset in self.stage.owned_pieces()
+                if not tensor_parallel.is_model_parallel(param)]
+
+
+@dataclasses.dataclass
+class LossScaler:
+    """fp16's dynamic loss scale (Micikevicius et al. 2018), or a constant 1.0 when disabled (fp32,
+    bf16): the loss is multiplied by `scale` before backward and the gradients divided by it in the
+    update; a non-finite gradient on any rank skips the step everywhere and halves the scale, and
+    `growth_interval` clean steps double it. An overflow at `min_scale` raises FloatingPointError."""
+
+    enabled: bool
+    scale: float = 2.0**16
+    growth_interval: int = 2000
+    min_scale: float = 1.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    clean_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            self.scale = 1.0
+
+    def update(self, found_overflow: bool, step: int) -> None:
+        """After each step (`step`: its number, for the error): back off on overflow, else maybe grow."""
+        if not self.enabled:
+            return
+        if found_overflow:
+            if self.scale <= self.min_scale:
+                raise FloatingPointError(
+                    f"fp16 gradients overflowed at step {step} with the loss scale already at "
+                    f"min_loss_scale={self.min_scale:g}: the step was skipped, but lowering the scale "
+                    "further is not allowed. Lower the learning rate, clip gradients, lower "
+                    "ZeroConfig.min_loss_scale, or train in bf16")
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps % self.growth_interval == 0:
+            self.scale *= self.growth_factor
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])

@@ -1,19 +1,11 @@
 """Flat buffers, padded shard ranges and constant-size buckets (the paper's CB).
 
-A `FlatGroup` is a set of parameters laid back to back in one flat buffer. Its length is padded up
-to a multiple of the data-parallel world size Nd, so that the buffer splits into Nd equal shards:
-rank r owns elements [r * shard_numel, (r + 1) * shard_numel). Padding is never truncated and is
-always zero, so it changes no sum and no norm.
-
-Every stage works on groups:
-- stages 0-2 pack parameters into groups of at most `bucket_numel` elements (a parameter larger
-  than that is a group of its own), so each group is one constant-size communication bucket;
-- stage 3 makes one group per module unit (see stage3.py), the granularity of its gathers.
-
-A rank's shard of the whole model is the concatenation of its shards of every group, in group
-order; `GroupLayout` says where each group's shard starts in that concatenation. `move_state`
-carries such per-rank state from one layout to another (stages 0-2 repack their buckets once they
-have seen the order in which backward produces gradients).
+A `FlatGroup` is parameters laid back to back in one flat buffer padded (with zeros, which change
+no sum or norm) to a multiple of Nd, so it splits into Nd equal shards: rank r owns elements
+[r * shard_numel, (r + 1) * shard_numel). Stages 0-2 pack parameters into groups of at most
+`bucket_numel` (a larger parameter is a group of its own); stage 3 makes one group per unit. A
+rank's shard of the model is its shards of every group, concatenated (`GroupLayout`);
+`move_state` carries such state from one layout to another (stages 0-2 repack once).
 """
 
 from __future__ import annotations
@@ -106,23 +98,20 @@ class GroupLayout:
 
 
 def copy_params_into(group: FlatGroup, flat: torch.Tensor, flatten_) -> None:
-    """Copy (and cast) the current values of the group's parameters into its flat buffer with one
-    `flatten_` call (triton_kernels: one kernel launch on CUDA); zero the padding."""
+    """Copy (and cast) the group's parameters into `flat` with one `flatten_` call; zero the padding."""
     with torch.no_grad():
         flatten_([p.detach().contiguous() for p in group.params], flat, group.offsets)
         flat[group.numel:].zero_()
 
 
 def bind_params_to(group: FlatGroup, flat: torch.Tensor) -> None:
-    """Make each parameter of the group a view of its range in `flat` (same Parameter objects, so
-    ties and user references survive; the old storage is freed)."""
+    """Make each parameter a view of its range in `flat` (same Parameter objects: ties survive)."""
     for param, start, end in group.param_ranges():
         param.data = flat[start:end].view(param.shape)
 
 
 def flatten_params(layout: GroupLayout, dtype: torch.dtype, device: torch.device, flatten_) -> torch.Tensor:
-    """One flat buffer in `dtype` holding every group's parameters (converted in place: each
-    parameter becomes a view of its range, so no second full copy stays alive)."""
+    """One flat buffer in `dtype` holding every group's parameters, each now a view of its range."""
     flat = torch.empty(layout.full_numel, dtype=dtype, device=device)
     for g, group in enumerate(layout.groups):
         copy_params_into(group, layout.full_slice(flat, g), flatten_)
@@ -132,13 +121,9 @@ def flatten_params(layout: GroupLayout, dtype: torch.dtype, device: torch.device
 
 def move_state(comm, old: GroupLayout, new: GroupLayout, old_flat: torch.Tensor, new_flat: torch.Tensor,
                sharded: bool) -> None:
-    """Copy a rank's flat state from layout `old` into layout `new` (same parameters, other groups).
-
-    `sharded=False`: the flats hold every group whole (stage 0's state, full gradient buffers), and
-    the copy is local. `sharded=True`: they hold this rank's shard of every group; each old group is
-    all-gathered in turn (a transient of one group, counted outside the training step) and this
-    rank keeps the pieces that fall into its new shards.
-    """
+    """Copy a rank's flat state from layout `old` into `new` (same parameters, other groups): local
+    when the flats hold whole groups; `sharded`: each old group is all-gathered in turn (outside
+    the step's traffic) and this rank keeps the pieces that fall into its new shards."""
     where = {id(p): (g, offset) for g, group in enumerate(new.groups) for p, offset in zip(group.params, group.offsets)}
     for g, group in enumerate(old.groups):
         if sharded:

@@ -1,12 +1,9 @@
 """The named points where a guard joins the engine's step, and the bare core's answer at each.
 
-The core runs ZeRO's step as the paper tells it and trusts its caller: every rank builds the same
-model and config, makes the same calls in the same order, and writes parameters only through the
-engine. zero_ref/guard checks that trust (`ZeroConfig(checks="strict")`, the default): it compares
-the ranks at initialize, keeps the ranks' collectives paired when a forward or backward raises on
-some ranks only, adds its own named fields to the step's vote and refuses an update the ranks do not
-agree on. The core never imports the guard; the engine calls one `Seams` object at these points,
-and this class, the bare core's (`checks="off"`, as DeepSpeed and FSDP2 run), does nothing at each.
+The core trusts its caller: every rank builds the same model and config, makes the same calls in
+the same order, and writes parameters only through the engine. zero_ref/guard checks that trust
+(`checks="strict"`, the default). The core never imports it: the engine calls one `Seams` object,
+and this class, the bare core's (`checks="off"`, as DeepSpeed and FSDP2 run), does nothing.
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .bucketed import BucketedStage
-from .grad_buffers import FullGradBuffer
+from .bucketed import BucketedStage, FullGradBuffer
 from .partition import flatten_params
 
 

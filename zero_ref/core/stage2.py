@@ -25,8 +25,7 @@ import torch
 from torch import nn
 
 from .bucketed import BucketedStage
-from .grad_buffers import ShardedGradBuckets
-from .grad_hooks import GroupArrivals
+from .grad_buffers import GroupArrivals, ShardedGradBuckets
 from .partition import flatten_params
 
 

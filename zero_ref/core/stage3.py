@@ -1,32 +1,23 @@
-"""Stage 3 (Pos+g+p): optimizer states, gradients and parameters sharded.
+"""Stage 3 (Pos+g+p): optimizer states, gradients and parameters sharded: 16Ψ/Nd bytes per rank.
 
-Sharded: everything. The model is cut into units (subtrees of modules, `build_units`); each unit's
-parameters are one flat group padded to a multiple of Nd, and rank r keeps only shard r of it:
-16Ψ/Nd bytes of model state per rank. A unit's full parameters exist only while something holds
-them: each `Unit` has a state (FREED: its full buffer has no storage, the parameters are views of
-it with no data; GATHERING: an all-gather into it is in flight; GATHERED) and a set of named
-reasons it is held (`Hold`). It is gathered when the first reason appears and freed in one place,
-`_free_if_unheld`, when the last one goes.
+The model is cut into units (module subtrees, units.build_units); each unit's parameters are one
+flat group padded to a multiple of Nd, of which rank r keeps shard r. A unit's full parameters
+exist only while something holds them: each `Unit` has a state (FREED: its full buffer has no
+storage, the parameters are views of it; GATHERING; GATHERED) and named reasons it is held
+(`Hold`). It is gathered with the first reason and freed with the last, in `_free_if_unheld`.
 
-Communicated, per micro-batch (paper Sec 7.2.2):
-1. forward: just before a unit's root module runs, the unit is all-gathered into its full buffer
-   (Ψ elements over the whole forward), following the gather schedule every rank shares
-   (gather_schedule.py: gathers pair up by position, so ranks whose modules run in other orders
-   must still issue the same ones); the next `prefetch` units of the schedule are gathered ahead.
-   A unit is freed when its root returns (one used twice in a forward is kept until it ends). A
-   forward that raises on some ranks raises on every rank, at its end;
-2. backward: a hook on each unit root's outputs gathers the unit again before the root's backward
-   (Ψ elements, following the backward schedule); once every gradient of a unit has arrived it is
-   freed and its gradients are reduce-scattered (averaged) into this rank's gradient shard in
-   pieces of at most one bucket, the constant-size buffers CB (Ψ elements), in the reverse of the
-   forward schedule on every rank;
+Communicated, per micro-batch (paper Sec 7.2.2), 3Ψ in all, 1.5x plain data parallelism:
+1. forward: before a unit's root module runs, the unit is all-gathered (Ψ), following the gather
+   schedule every rank shares (units.GatherSchedule), `prefetch` units ahead; it is freed when the
+   root returns. A forward that raises on some ranks raises on every rank, at its end;
+2. backward: a hook on each root's outputs gathers the unit again before the root's backward (Ψ);
+   once all its gradients are in, it is freed and its gradients are reduce-scattered into this
+   rank's shard in bucket-size pieces (CB, Ψ), in the reverse forward order on every rank;
 3. step: each rank updates its shard; nothing is gathered until the next forward.
-Total 3Ψ, 1.5x plain data parallelism.
 
-Freeing resizes the storage of the unit's full buffer to zero bytes: the parameters stay views of
-it (same Parameter objects and shapes), so autograd's saved references see the regathered values
-in backward. Reads outside a unit's window (a parameter used outside its module, an untracked
-view) are the guard's to see (guard/unit_reads.py); it asks the stage to gather through
+Freeing resizes the full buffer's storage to zero bytes: the parameters stay views of it, so
+autograd's saved references see the regathered values in backward. Reads outside a unit's window
+are the guard's to see (guard/unit_reads.py), which asks the stage to gather through
 `external_use`, `keep_for_alias` and `before_node`.
 """
 
@@ -39,14 +30,13 @@ from torch import nn
 
 from ..config import ZeroConfig
 from .comm import Comm
-from .gather_schedule import GatherSchedule
-from .grad_buffers import ShardedGradBuckets
-from .grad_hooks import GroupArrivals, register_grad_hooks
+from .grad_buffers import GroupArrivals, ShardedGradBuckets, register_grad_hooks
 from .in_flight import SideStream
 from .labels import label
 from .partition import GroupLayout, bind_params_to, copy_params_into, make_group
 from .stage_base import Stage
-from .units import FOREIGN_BACKWARD, Hold, Unit, UnitState, build_units, internal, module_name, output_tensors
+from .units import (FOREIGN_BACKWARD, GatherSchedule, Hold, Unit, UnitState, build_units, internal, module_name,
+                    output_tensors)
 
 
 class Stage3(Stage):
@@ -373,14 +363,10 @@ class Stage3(Stage):
     def param_buffer(self, g: int) -> torch.Tensor:
         return self.full_params[g]
 
-    # --- writes into the parameters from outside the engine ------------------------------------------
-    # A parameter has values only while its unit is gathered, and the gathered buffer is freed after
-    # use, so an in-place write inside the forward (nn.Embedding(max_norm=...) renormalises the rows
-    # its batch looks up) is lost, while the gradients were computed from the written values: the
-    # stage names the first such unit in `written_while_gathered`, and a guard refuses the step
-    # (guard/param_writes.py).
     def _unit_version(self, g: int) -> int:
-        """torch's count of in-place writes into unit g's parameters, summed (each only grows)."""
+        """torch's count of in-place writes into unit g's parameters (each only grows). A write made while
+        gathered (nn.Embedding(max_norm=...)) is lost with the buffer: `written_while_gathered` names
+        the unit, and a guard refuses the step (guard/param_writes.py)."""
         return sum(param._version for param in self.groups[g].params)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:

@@ -1,15 +1,12 @@
 """What the engine asks of every stage, and the few pieces all stages share.
 
-A stage owns the model's trainable parameters after `initialize`: how they are laid out in flat
-groups, which segment of each group this rank keeps, how gradients are reduced during backward,
-and what has to be gathered after the optimizer has updated this rank's fp32 master segments. The
-engine drives a step through this interface:
+A stage owns the trainable parameters after `initialize`: their flat groups, which segment of each
+this rank keeps, how gradients are reduced in backward, what is gathered after the update:
 
-    begin_backward / end_backward   around run_backward(loss), the autograd pass; on return
-                                    every reduction the stage owes for this micro-batch has completed
-                                    (also after a backward that raised: step_failures.py)
+    begin_backward / end_backward   around the autograd pass; on return every reduction the stage
+                                    owes for this micro-batch has completed (also after a raise)
     grad_segments                   this rank's gradient segments, aligned with the masters
-    segment_updated(g)              the optimizer has written segment g (stages 1-2 start its gather)
+    segment_updated(g)              the optimizer has written segment g (stages 1-2 gather it)
     after_update                    wait for what segment_updated started
     zero_grads                      clear gradients for the next step
 """
@@ -82,21 +79,18 @@ class Stage:
         return contextlib.nullcontext()
 
     def run_backward(self, loss: torch.Tensor, retain_graph: bool, autograd=torch.autograd.backward) -> None:
-        """`autograd(loss, retain_graph=retain_graph)`: the backward pass (a guard may pass its own
-        entry into autograd, guard/unit_reads.py)."""
+        """The backward pass (a guard may pass its own entry into autograd)."""
         autograd(loss, retain_graph=retain_graph)
 
     def idle_forward(self) -> None:
-        """Issue the collectives of a forward without running one: what a rank whose backward raised
-        does in place of each of the step's remaining micro-batches (step_failures.py); stage 3 gathers."""
+        """Issue a forward's collectives without running it (a failed rank's stand-in; stage 3 gathers)."""
 
     def begin_backward(self, boundary: bool) -> None:
         """Before loss.backward(); `boundary` is True on the last micro-batch of a step."""
 
     def end_backward(self, boundary: bool, failed: bool = False) -> None:
-        """After loss.backward(): finish this micro-batch's reductions. `failed`: the backward raised
-        (or is one the engine runs in place of a micro-batch after that): issue every collective the
-        other ranks issue at the end of a backward, learn nothing from this rank's part of it."""
+        """After loss.backward(): finish this micro-batch's reductions. `failed`: the backward raised;
+        issue what the other ranks issue at its end, learn nothing from it."""
 
     # --- the optimizer step ----------------------------------------------------------------------
     def grad_segments(self) -> list[torch.Tensor]:
@@ -110,8 +104,8 @@ class Stage:
         """After the optimizer has updated every segment."""
 
     def zero_grads(self, keep_used: bool = False) -> None:
-        """Clear gradients and, unless `keep_used` (torch's zero_grad(set_to_none=False): a gradient of
-        zeros is still one), the record of which parameters got one."""
+        """Clear gradients and, unless `keep_used` (set_to_none=False: zeros are still a gradient),
+        which parameters got one."""
         if not keep_used:
             self.used = bytearray(len(self.trainable))
         self._zero_grad_buffers()
@@ -129,13 +123,11 @@ class Stage:
 
     # --- state -----------------------------------------------------------------------------------
     def segment_range(self, g: int) -> tuple[int, int]:
-        """The [lo, hi) range of group g's flat buffer that this rank's segment g holds: its shard
-        in the sharded stages."""
+        """The [lo, hi) of group g that this rank's segment holds (its shard when sharded)."""
         return self.groups[g].shard_range(self.rank)
 
     def full_master(self, g: int) -> torch.Tensor:
-        """The fp32 master values of group g, full padded length, identical on every rank, on the
-        engine's device (read only: it may be the master itself). Collective when sharded."""
+        """Group g's fp32 masters, full padded length, on every rank (read only; collective when sharded)."""
         if self.segment_range(g) == (0, self.groups[g].padded_numel):
             return self.optimizer.masters[g]
         full = torch.empty(self.groups[g].padded_numel, dtype=torch.float32, device=self.device)
@@ -143,28 +135,23 @@ class Stage:
         return full
 
     def param_buffer(self, g: int) -> torch.Tensor:
-        """Group g's full parameter buffer: every parameter of the group is a view of it (stage 3:
-        its storage is freed between uses)."""
+        """Group g's full parameter buffer (stage 3: freed between uses)."""
         raise NotImplementedError
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The live tensors this stage holds, by category: params, grads, optimizer_states and
-        comm_buffers (constant-size buckets that outlive one reduction)."""
+        """The live tensors this stage holds: params, grads, optimizer_states, comm_buffers."""
         raise NotImplementedError
 
     def owned_pieces(self):
-        """(param, param_start, param_end, g, segment_start) for every piece of a parameter whose
-        optimizer state this rank holds: the map checkpoints are written and read through."""
+        """(param, param_start, param_end, g, segment_start) of every piece this rank's optimizer holds."""
         return pieces_of(self.groups, self.segment_range)
 
     def planned_pieces(self, order: list[int] | None):
-        """The pieces this rank would own with its parameters packed in `order` (indices into the
-        trainable parameters; None: as they are now), without changing anything."""
+        """The pieces this rank would own packed in `order` (None: as now), changing nothing."""
         return self.owned_pieces()
 
     def learned_order(self) -> list[int] | None:
-        """The order (indices into the trainable parameters) the stage learned to pack them in, for
-        checkpoints; None where the layout follows the model's structure (stage 3)."""
+        """The learned packing order (trainable indices) for checkpoints; None at stage 3."""
         return None
 
     def wants_order(self) -> bool:

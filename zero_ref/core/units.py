@@ -1,8 +1,23 @@
-"""Stage 3's units: how a model is cut into them, and what one unit's lifetime is made of.
+"""Stage 3's units: how a model is cut into them, one unit's lifetime, and the gather schedule.
 
 A unit is the parameters of one module subtree, gathered and freed together (stage3.py). Its
 lifetime is one explicit state (`UnitState`) and a count of named reasons it is held (`Hold`): it
 is gathered when a reason appears and freed when none is left, in one place (Stage3._free_if_unheld).
+
+Gathers pair up across ranks by position: if rank 0 gathers unit A while rank 1 gathers unit B of
+the same size, both silently receive a mix. So when module order depends on the data, ranks must
+not gather by need but follow a `GatherSchedule`, the same on every rank:
+
+* The first pass of each kind (forward, backward) learns it in *rounds*: a rank that needs a unit
+  it does not hold exchanges one integer with every rank (the unit, or DONE), and all ranks gather
+  every requested unit in rank order. A rank whose pass is over keeps answering until all are.
+* Later passes follow it: needing unit u, a rank issues the schedule up to u plus `depth` more
+  (the prefetch). A unit needed again after its entry was used issues the rest of the schedule,
+  then a round. A rank whose modules run in another order holds a few units longer.
+* A rank whose pass raised answers FAILED instead of DONE, so every rank learns whose pass raised
+  (`failed_ranks`) and can stop with them.
+
+A round costs one control exchange of a few integers (one per pass when nothing deviates).
 """
 
 from __future__ import annotations
@@ -11,19 +26,20 @@ import collections
 import dataclasses
 import enum
 import functools
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from .labels import label
+
 
 def build_units(model: nn.Module, trainable: list[nn.Parameter], unit_numel: int
                 ) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """Cut the model into units, walking modules children-first: a module whose subtree holds at
-    least `unit_numel` not-yet-assigned trainable elements becomes the root of a unit holding them;
-    the model itself takes whatever is left. A parameter shared by several modules (a tied weight)
-    is only taken by a module whose subtree contains all of its users, so one gather serves them
-    all. A container that is never called (nn.ModuleList: no forward of its own) roots no unit."""
+    """Cut the model into units, children first: a callable module whose subtree holds at least
+    `unit_numel` unassigned trainable elements roots a unit of them; the model takes the rest. A
+    tied weight goes only to a module whose subtree holds all its users (one gather serves all)."""
     wanted = {id(p) for p in trainable}
     users: dict[int, set[int]] = {}
     for module in model.modules():
@@ -97,10 +113,8 @@ class Unit:
 
 
 def output_tensors(output) -> list[torch.Tensor]:
-    """The tensors in a unit root's output, through lists, tuples and dicts (torch's pytree, which
-    also knows Hugging Face's ModelOutput) and dataclasses: each gets the hook that gathers the unit
-    before its backward. A tensor hidden anywhere else misses it (guard/unit_reads.py then gathers
-    the unit from the backward nodes that read it)."""
+    """The tensors in a unit root's output (through torch's pytree, which knows Hugging Face's
+    ModelOutput, and dataclasses), each to get the hook that gathers the unit for its backward."""
     found, pending = [], [output]
     while pending:
         for leaf in tree_flatten(pending.pop())[0]:
@@ -114,3 +128,72 @@ def output_tensors(output) -> list[torch.Tensor]:
 def module_name(model: nn.Module, module: nn.Module) -> str:
     """`module`'s name in `model` ("<model>" for the model itself)."""
     return next((name or "<model>" for name, m in model.named_modules() if m is module), "?")
+
+
+DONE = -1     # a round's answer: this rank's pass is over
+FAILED = -2   # ... and it raised
+
+
+class GatherSchedule:
+    """The order in which every rank issues unit gathers in one kind of pass (see the module
+    docstring): `issue(u)` starts unit u's gather; `depth` entries are issued ahead (prefetch)."""
+
+    def __init__(self, comm, issue: Callable[[int], None], depth: int):
+        self.comm, self.issue, self.depth = comm, issue, depth
+        self.entries: list[int] | None = None   # learned by the first pass
+        self.position: dict[int, int] = {}      # unit -> index in entries
+        self.begin()
+
+    @property
+    def learned(self) -> bool:
+        return self.entries is not None
+
+    def begin(self) -> None:
+        """A pass starts: nothing has been issued yet."""
+        self.cursor = 0
+        self.gathered: list[int] = []   # this pass's gathers, in order (what a first pass learns)
+        self.failed_ranks: list[int] = []   # ranks whose pass raised, as the rounds told
+
+    def _issue(self, u: int) -> None:
+        self.gathered.append(u)
+        self.issue(u)
+
+    def _issue_through(self, end: int) -> None:
+        """Issue schedule entries up to index `end` (exclusive)."""
+        while self.cursor < min(end, len(self.entries)):
+            self._issue(self.entries[self.cursor])
+            self.cursor += 1
+
+    def acquire(self, u: int, held: bool) -> None:
+        """A module is about to use unit u (`held`: gathered or in flight here); afterwards it is held."""
+        if self.learned and u in self.position and (held or self.position[u] >= self.cursor):
+            self._issue_through(self.position[u] + 1 + self.depth)
+        elif not held:
+            if self.learned:   # u's entry is used up, or u is not in the schedule at all
+                self._issue_through(len(self.entries))   # the gathers must line up before a round
+            self._round(u)
+
+    def _round(self, request: int) -> list[int]:
+        """One control exchange: every rank's request (or DONE, or FAILED); gather the requested units."""
+        wanted: list[int] = []
+        with label("zero_ref::schedule round"):   # a profiler label only
+            answers = self.comm.exchange([request])
+        for rank, (unit,) in enumerate(answers):
+            if unit == FAILED and rank not in self.failed_ranks:
+                self.failed_ranks.append(rank)
+            elif unit >= 0 and unit not in wanted:
+                wanted.append(unit)
+        for unit in wanted:
+            self._issue(unit)
+        return wanted
+
+    def finish(self, failed: bool = False) -> None:
+        """This rank's pass is over (`failed`: it raised): issue the rest, answer rounds until every
+        rank's is over; a first pass keeps what was gathered as the schedule."""
+        if self.learned:
+            self._issue_through(len(self.entries))
+        while self._round(FAILED if failed else DONE):
+            pass
+        if not self.learned:
+            self.entries = list(dict.fromkeys(self.gathered))
+            self.position = {u: k for k, u in enumerate(self.entries)}

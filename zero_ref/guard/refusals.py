@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.comm import Comm
+import torch
+
+from ..core.comm import Comm, all_gather_tensor
+from ..core.in_flight import Pending
+
+CALLS = ("full_state_dict", "save_checkpoint", "load_checkpoint", "load_state_dict")
+"""The collective calls that training does not make, opened on the calls channel (`announce`)."""
 
 
 def gather_refusals(comm: Comm, refusal: Exception | None, payload: Any = None) -> tuple[list[str | None], list]:
@@ -42,3 +48,23 @@ def refuse_together(comm: Comm, refusal: Exception | None, payload: Any = None, 
     refusals, payloads = gather_refusals(comm, refusal, payload)
     raise_refusals(refusal, refusals, what, error, consequence)
     return payloads
+
+
+def announce(comm: Comm, call: str) -> None:
+    """Open the collective call `call` (one of `CALLS`) on every rank, before any of its collectives:
+    every rank sends the call's name on the calls channel. A rank not making it leaves this one
+    waiting here alone until `timeout_s` (CollectiveError, as the others get in their next
+    collective) instead of pairing the call's first collective with a gradient bucket; ranks making
+    different calls raise ValueError on every rank, and nothing was done."""
+    if comm.alone or comm.backend == "fake":
+        return
+    mine = torch.tensor([CALLS.index(call)], dtype=torch.int64)
+    gathered = mine.repeat(comm.world_size)
+    work = all_gather_tensor(gathered, mine, group=comm.calls_group, async_op=True)
+    Pending(work, f"{call} (a collective call: every rank must make it)", comm.rank, comm.control_timeout_s,
+            comm.retire).wait()
+    made = [CALLS[code] for code in gathered.tolist()]
+    if len(set(made)) > 1:
+        each = ", ".join(f"rank {rank}: {name}" for rank, name in enumerate(made))
+        raise ValueError(f"the ranks made different collective calls at once ({each}): each must be made by "
+                         "every rank, at the same point of the program. Nothing was done")

@@ -42,7 +42,7 @@ last checkpoint in a new engine.
 
 from __future__ import annotations
 
-from ..core.grad_stats import StepVote
+from ..core.optim import StepVote
 from ..core.in_flight import CollectiveError
 
 FAILURE_DISAGREES = (

@@ -9,7 +9,7 @@ What each seam adds to the bare core:
                      in forward and backward (unit_reads.py)
     before_call      a rank at a step boundary that did not step sends the vote first, so a failure
                      elsewhere is told to every rank (step_failures.py); a collective call training
-                     does not make opens on the calls channel (comm.Comm.announce)
+                     does not make opens on the calls channel (refusals.announce)
     forward_raised / backward_raised
                      the failure protocol: the failing rank issues the collectives the others
                      issue, and the vote tells every rank whether it was everyone's (step_failures.py)
@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 
 from ..core.seams import Seams
-from . import ownership, param_writes, step_failures
+from . import ownership, param_writes, refusals, step_failures
 from .same_everywhere import check_same_everywhere
 from .sharded_param import mark_sharded, plain
 from .unit_reads import ExternalUseWatcher, run_autograd
@@ -67,7 +67,7 @@ class Strict(Seams):
     def before_call(self, engine, call=None, discarding=False) -> None:
         step_failures.check_nobody_failed_at_the_boundary(engine, self, discarding)
         if call is not None:
-            engine.comm.announce(call)
+            refusals.announce(engine.comm, call)
 
     def forward_context(self, engine):
         return self._watching() if self.watcher is not None else contextlib.nullcontext()

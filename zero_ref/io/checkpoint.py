@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 from .manifest import (STATE_KINDS, CheckpointError, build_manifest, canonical_names, check_groups_match,
                        check_matches_model, restore_groups, training_state,
                        persistent_buffers, piece_index, read_manifest, seal)
-from ..core.precision import LossScaler
+from ..core.optim import LossScaler
 from ..guard.refusals import gather_refusals, refuse_together
 from .model_parallel import join_sub_checkpoints, refuse_lone_slice, sub_checkpoints
 from .state_dict import write_model_state
