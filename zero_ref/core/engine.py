@@ -29,7 +29,6 @@ from ..config import ZeroConfig
 from ..param_groups import ZeroOptimizer, build_groups
 from .comm import Comm, CommLedger
 from .optim import GradStats, LossScaler, StepVote
-from .in_flight import CollectiveError
 from .labels import label
 from .seams import Seams
 from .stage0 import Stage0
@@ -109,20 +108,14 @@ class Engine:
         """The model's forward. Floating-point tensor inputs are cast to the model dtype."""
         self.check_open()
         self.seams.before_call(self)
-        try:
-            self.broadcast_buffers()
-        except CollectiveError as err:
-            raise _needs_every_rank(err, "broadcasts rank 0's buffers first (ZeroConfig.broadcast_buffers)") from err
         cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         args, kwargs = tree_map(cast, (args, kwargs))
         with label("zero_ref.forward"), self.seams.forward_context(self):
+            self.broadcast_buffers()
             try:
                 return self.module(*args, **kwargs)
-            except CollectiveError as err:
-                raise _needs_every_rank(err, "gathers each unit's parameters" if self.config.stage == 3
-                                        else "runs collectives") from err
             except BaseException:
-                if torch.is_grad_enabled():
+                if torch.is_grad_enabled() and not self.comm.failed:
                     self.seams.forward_raised(self)
                 raise
 
@@ -298,11 +291,3 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _needs_every_rank(err: CollectiveError, what: str) -> CollectiveError:
-    """The forward's collective did not complete: most often a forward run on some ranks only (an
-    evaluation on rank 0), which the error says, with the way to do that."""
-    return CollectiveError(
-        f"{err}. It was the engine's forward, which {what}, so every rank must run it: to evaluate on "
-        "some ranks only, call engine.module(...) under torch.no_grad() there (stages 0-2), or evaluate "
-        "on every rank")

@@ -17,8 +17,8 @@ Communicated, per micro-batch (paper Sec 7.2.2), 3Ψ in all, 1.5x plain data par
 
 Freeing resizes the full buffer's storage to zero bytes: the parameters stay views of it, so
 autograd's saved references see the regathered values in backward. Reads outside a unit's window
-are the guard's to see (guard/unit_reads.py), which asks the stage to gather through
-`external_use`, `keep_for_alias` and `before_node`.
+are the guard's to see (guard/unit_reads.py); it gathers through `acquire`, `gather_for_backward`
+and `hold`, and adds units a module uses outside their roots to `external`.
 """
 
 from __future__ import annotations
@@ -131,9 +131,9 @@ class Stage3(Stage):
                     scratch = torch.empty_like(unit.full)
                     self.scratch.append((scratch, self.comm.all_gather(scratch, self.param_shards[g], async_op=True,
                                                                        channel="gather")))
-        self._hold(g, Hold.BACKWARD if self.in_backward else Hold.SCHEDULED)
+        self.hold(g, Hold.BACKWARD if self.in_backward else Hold.SCHEDULED)
 
-    def _hold(self, g: int, reason: Hold) -> None:
+    def hold(self, g: int, reason: Hold) -> None:
         holds = self.units[g].holds
         holds[reason] = holds[reason] + 1 if reason is Hold.RUNNING else 1
 
@@ -185,28 +185,28 @@ class Stage3(Stage):
     def gathers_in_flight(self) -> bool:
         return bool(self.gathering)
 
-    def _acquire(self, g: int) -> None:
+    def acquire(self, g: int) -> None:
         """A root about to run needs unit g: gather it through this pass's schedule, and hold it
         while the root runs (in backward, a recomputation, until its gradients are in too)."""
         if self.in_backward:
             self.backward_schedule.acquire(g, held=not self.is_freed(g))
-            self._hold(g, Hold.BACKWARD)
+            self.hold(g, Hold.BACKWARD)
         else:
             if g in self.used_this_pass and self.is_freed(g):
                 self.reused.add(g)   # used again after its release: from now on kept to the end of each forward
             self.used_this_pass.add(g)
             self.forward_schedule.acquire(g, held=not self.is_freed(g))
             if g in self.reused:
-                self._hold(g, Hold.FORWARD)
+                self.hold(g, Hold.FORWARD)
         self.wait_for(g)
-        self._hold(g, Hold.RUNNING)
+        self.hold(g, Hold.RUNNING)
         self._drop(g, Hold.SCHEDULED)
 
-    def _gather_for_backward(self, g: int) -> None:
+    def gather_for_backward(self, g: int) -> None:
         """Unit g is needed by this backward: gathered through the backward schedule, held until its
         gradients are in."""
         self.backward_schedule.acquire(g, held=not self.is_freed(g))
-        self._hold(g, Hold.BACKWARD)
+        self.hold(g, Hold.BACKWARD)
         self.wait_for(g)
 
     # --- forward: one pair of hooks per unit root, and the model's --------------------------------
@@ -221,7 +221,7 @@ class Stage3(Stage):
         units = [g for g in (self.unit_of_root.get(id(module)),) if g is not None]
         units += sorted(self.external.get(id(module), ()))
         for g in units:   # if one raises, _exit releases those acquired before it
-            self._acquire(g)
+            self.acquire(g)
             acquired.append(g)
 
     @internal
@@ -260,52 +260,13 @@ class Stage3(Stage):
             entries = self.forward_schedule.entries
             self.arrivals.set_order(entries[::-1] + [g for g in range(len(self.groups)) if g not in entries])
 
-    def external_use(self, param: nn.Parameter) -> None:
-        """`param` is used outside its unit's root: in a forward, while no running root holds its unit,
-        or in backward while its unit is freed. Gather the unit now and, from now on, with the
-        innermost running root (the model's, at least), whose backward then gathers it too."""
-        g = self.unit_of_param[id(param)]
-        if self.frames:
-            module, units = self.frames[-1]
-            self.external.setdefault(id(module), set()).add(g)
-            self._acquire(g)
-            units.append(g)   # released, and hooked for backward, with that root
-        elif self.in_backward:   # needed by backward itself (a hook, a custom Function), outside any recomputation
-            self._gather_for_backward(g)
-        else:
-            name = next(n for n, p in self.model.named_parameters() if p is param)
-            raise RuntimeError(
-                f"stage 3: parameter {name} (unit {self.units[g].name}) was read in the engine's forward but outside "
-                "the model's, where no unit is gathered: a forward hook on the model itself registered after "
-                "zero_ref.initialize runs after stage 3 has freed every unit, and a forward pre-hook on it registered "
-                "before initialize runs before the first gather. Register the model's forward hooks before "
-                "initialize and its pre-hooks after it, or hook a submodule")
-
-    def keep_for_alias(self, g: int) -> None:
-        """A tensor autograd does not track shares unit g's full buffer (`param.detach()`, `.data`, a
-        view taken under no_grad): the unit stays gathered until this forward ends and, if grad is
-        enabled, through the whole next backward (where its gradients arriving would free it first)."""
-        self._hold(g, Hold.FORWARD)
-        if torch.is_grad_enabled():
-            self.pinned.add(g)
-
     # --- backward ----------------------------------------------------------------------------------
     @internal
     def _before_backward(self, units: tuple[int, ...]) -> None:
         """Runs when the gradient of a unit root's output is ready, before the root's backward."""
         self.check_in_backward(FOREIGN_BACKWARD)
         for g in units:
-            self._gather_for_backward(g)
-
-    @internal
-    def before_node(self, units: tuple[int, ...]) -> None:
-        """Runs before the backward node of a forward operation that read these units' parameters."""
-        for g in units:
-            if self.is_freed(g):
-                self.check_in_backward(FOREIGN_BACKWARD)
-                self._gather_for_backward(g)
-            else:
-                self.wait_for(g)
+            self.gather_for_backward(g)
 
     @internal
     def _before_grad(self, param: nn.Parameter) -> None:
@@ -328,8 +289,8 @@ class Stage3(Stage):
         self.arrivals.reset()
         self.backward_schedule.begin()
         for g in sorted(self.pinned):   # an untracked view of the unit may be read anywhere in this backward
-            self._gather_for_backward(g)
-            self._hold(g, Hold.PINNED)
+            self.gather_for_backward(g)
+            self.hold(g, Hold.PINNED)
 
     @internal
     def end_backward(self, boundary: bool, failed: bool = False) -> None:

@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import contextlib
 
+from ..core.in_flight import CollectiveError
 from ..core.seams import Seams
 from . import ownership, param_writes, refusals, step_failures
 from .same_everywhere import check_same_everywhere
 from .sharded_param import mark_sharded, plain
 from .unit_reads import ExternalUseWatcher, run_autograd
 
+FORWARD_ON_EVERY_RANK = (
+    "It was the engine's forward, which runs collectives (rank 0's buffers first under ZeroConfig.broadcast_buffers; "
+    "at stage 3 each unit's gather), so every rank must run it: to evaluate on some ranks only, call "
+    "engine.module(...) under torch.no_grad() there (stages 0-2), or evaluate on every rank")
 HYPER_INVALID = ("{n} of {everyone} ranks hold invalid hyper-parameters in engine.optimizer.param_groups (a bad value, "
                  "an option zero-ref does not implement, or parameters moved between groups: those ranks raise what "
                  "they found). Nothing was updated on any rank")
@@ -69,8 +74,13 @@ class Strict(Seams):
         if call is not None:
             refusals.announce(engine.comm, call)
 
+    @contextlib.contextmanager
     def forward_context(self, engine):
-        return self._watching() if self.watcher is not None else contextlib.nullcontext()
+        try:
+            with self._watching() if self.watcher is not None else contextlib.nullcontext():
+                yield
+        except CollectiveError as err:   # most often a forward run on some ranks only (an evaluation on rank 0)
+            raise CollectiveError(f"{err}. {FORWARD_ON_EVERY_RANK}") from err
 
     @contextlib.contextmanager
     def _watching(self):

@@ -6,8 +6,8 @@ a parent's `F.linear(h, self.embed.weight)`, a `param.detach()`, an output kept 
 tensor hook that runs in backward. This module sees those reads: a TorchFunctionMode over every
 torch call of the forward and the backward (`ExternalUseWatcher`), the backward entered so that the
 mode stays on inside it (`run_autograd`), and the tensors of a root's output that get the backward
-hook (`output_tensors`). What to do about a read is the stage's (Stage3.external_use,
-Stage3.keep_for_alias, Stage3.before_node).
+hook (`output_tensors`), and answers each read through the stage's gathers (Stage3.acquire,
+gather_for_backward, hold).
 """
 
 from __future__ import annotations
@@ -16,7 +16,14 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..core.units import FOREIGN_BACKWARD, Hold
 from .sharded_param import METADATA
+
+OUTSIDE_THE_MODEL = (
+    "stage 3: parameter {name} (unit {unit}) was read in the engine's forward but outside the model's, where no "
+    "unit is gathered: a forward hook on the model itself registered after zero_ref.initialize runs after stage 3 "
+    "has freed every unit, and a forward pre-hook on it registered before initialize runs before the first "
+    "gather. Register the model's forward hooks before initialize and its pre-hooks after it, or hook a submodule")
 
 
 class ExternalUseWatcher(TorchFunctionMode):
@@ -24,11 +31,11 @@ class ExternalUseWatcher(TorchFunctionMode):
 
     In a forward, an operation on a parameter whose unit no running unit root holds is a use
     outside that root (`F.linear(h, self.embed.weight)`): whether the unit is freed, in flight (a
-    prefetch) or still gathered after an earlier use, the stage gathers it with the innermost running
-    root (`Stage3.external_use`) before the operation runs, so that root's backward gathers it too.
+    prefetch) or still gathered after an earlier use, it is gathered with the innermost running
+    root before the operation runs, and from then on with that root, whose backward gathers it too.
     A result that shares a unit's buffer without autograd tracking it (`param.detach()`) keeps the
-    unit gathered (`Stage3.keep_for_alias`). Each backward node such an operation makes gathers the
-    units it reads if they are freed when it runs (`Stage3.before_node`). In backward (hooks, custom
+    unit gathered to the end of the forward and through the next backward. Each backward node such
+    an operation makes gathers the units it reads if they are freed when it runs. In backward (hooks, custom
     Functions), an operation on a parameter of a freed unit gathers the unit first. Every operation
     waits for the gathers in flight of the parameters it reads. Calls that read no parameter, or
     only a parameter's metadata (shape, `.grad`, hooks, its storage: sharded_param.METADATA), pass
@@ -70,23 +77,50 @@ class ExternalUseWatcher(TorchFunctionMode):
         nodes = {t.grad_fn for t in (result if isinstance(result, (list, tuple)) else (result,))
                  if isinstance(t, torch.Tensor) and t.grad_fn is not None}
         for node in nodes:
-            node.register_prehook(lambda grads, gs=units: self.stage.before_node(gs))
+            node.register_prehook(lambda grads, gs=units: self._before_node(gs))
+
+    def _before_node(self, units: tuple[int, ...]) -> None:
+        """Before a backward node that reads these units: gather the freed ones, wait for the rest."""
+        stage = self.stage
+        stage.internal += 1
+        try:
+            for g in units:
+                if stage.is_freed(g):
+                    stage.check_in_backward(FOREIGN_BACKWARD)
+                    stage.gather_for_backward(g)
+                else:
+                    stage.wait_for(g)
+        finally:
+            stage.internal -= 1
 
     def _use_outside(self, params: list[nn.Parameter]) -> None:
-        """Stage3.external_use, once per unit."""
-        stage, units = self.stage, set()
+        """Units used outside their roots: in a forward, gathered now and from now on with the
+        innermost running root (the model's, at least); in backward, gathered for it."""
+        stage, seen = self.stage, set()
         stage.internal += 1
         try:
             for param in params:
-                if stage.unit_of_param[id(param)] not in units:
-                    units.add(stage.unit_of_param[id(param)])
-                    stage.external_use(param)
+                g = stage.unit_of_param[id(param)]
+                if g in seen:
+                    continue
+                seen.add(g)
+                if stage.frames:
+                    module, acquired = stage.frames[-1]
+                    stage.external.setdefault(id(module), set()).add(g)
+                    stage.acquire(g)
+                    acquired.append(g)   # released, and hooked for backward, with that root
+                elif stage.in_backward:   # a hook or custom Function of backward, outside any recomputation
+                    stage.gather_for_backward(g)
+                else:
+                    name = next(n for n, p in stage.model.named_parameters() if p is param)
+                    raise RuntimeError(OUTSIDE_THE_MODEL.format(name=name, unit=stage.units[g].name))
         finally:
             stage.internal -= 1
 
     def _keep_aliased(self, result) -> None:
-        """Tell the stage about each tensor in `result` that shares a unit's full buffer while autograd
-        does not track it (Stage3.keep_for_alias)."""
+        """Each tensor in `result` that shares a unit's full buffer while autograd does not track it
+        keeps the unit to the end of this forward and, with grad enabled, through the next backward
+        (where its gradients arriving would otherwise free it first)."""
         for tensor in (result if isinstance(result, (list, tuple)) else (result,)):
             if isinstance(tensor, torch.Tensor) and not tensor.requires_grad and tensor.layout is torch.strided:
                 try:
@@ -94,7 +128,9 @@ class ExternalUseWatcher(TorchFunctionMode):
                 except (RuntimeError, NotImplementedError):   # a tensor subclass without storage
                     continue
                 if g is not None:
-                    self.stage.keep_for_alias(g)
+                    self.stage.hold(g, Hold.FORWARD)
+                    if torch.is_grad_enabled():
+                        self.stage.pinned.add(g)
 
     def _unit_params(self, args, kwargs) -> list[nn.Parameter]:
         """The stage-3 parameters among the arguments (and inside list or tuple arguments)."""
