@@ -94,9 +94,12 @@ class Stage3(Stage):
         self.shards_written = None               # CUDA event: this rank's shards are up to date
         self.forward_schedule = GatherSchedule(comm, self._issue_gather, config.prefetch)
         self.backward_schedule = GatherSchedule(comm, self._issue_gather, config.prefetch)
+        # on gloo the host itself waits for a reduction, stalling backward: two in flight (three buffers)
+        # let the oldest finish meanwhile (`zero-ref bench --stages 3` measures the difference)
+        may_block = self.device.type == "cuda" or comm.backend == "fake"
         self.buckets = ShardedGradBuckets(comm, self.groups, self.grad_shards, self.grad_dtype, self.device,
-                                          config.overlap, config.bucket_numel,
-                                          may_block=self.device.type == "cuda" or comm.backend == "fake")
+                                          config.overlap, config.bucket_numel, may_block=may_block,
+                                          max_in_flight=1 if may_block else 2)
         self.arrivals = GroupArrivals(self.groups, self.buckets.reduce_scatter)
         self.hooks = register_grad_hooks(trainable, self._after_grad, self._before_grad)
         for module in [model, *[root for root, _ in roots if root is not model]]:
