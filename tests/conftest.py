@@ -24,8 +24,9 @@ def _start_the_fork_server_with_dynamo_imported() -> None:
     every spawn and RankPool, about a hundred of them in this suite. Imported once in the server,
     each forked rank has it already. Nothing else changes for the ranks: the server is the one
     launch.py would start at the first launch (launch._context's later preload call leaves a running
-    server alone), and torch._dynamo starts no thread and reads no variable the tests set (it
-    imports triton, whose TRITON_INTERPRET is read when a kernel is defined, in the rank)."""
+    server alone), and torch._dynamo starts no thread. It imports triton, which reads
+    TRITON_INTERPRET when imported: test_engine_kernels, whose ranks need it set, starts fresh
+    interpreters instead."""
     from zero_ref import launch
 
     if launch.START_METHOD == "forkserver":
