@@ -68,6 +68,13 @@ from zero_ref.analysis.presets import PAPER_CONFIGS
 CHOSEN = 0.15
 """The memory study's chosen fragmentation share, which this study replaces."""
 
+QUICK_BUCKET_NUMEL = 2**26
+"""Gradient bucket size (elements) of --quick's traces, 16x the engine's default of 2**22: at stage
+2 the engine fills each bucket-sized piece of a reduction one rank's row at a time, Nd = 128 small
+copies per piece, each recorded by the trace, which made --quick's three traces of Fig 4's ZeRO
+case take minutes. Larger buckets mean 16x fewer pieces; the shares measured move by tenths of a
+percent. Full runs keep the default."""
+
 FIG7 = {"40B": (ModelShape(50, 8192, 32), 16), "100B": (ModelShape(125, 8192, 64), 32)}
 """Fig 7's models (appendix): shape and batch per GPU, at MP 16 on 400 GPUs."""
 
@@ -95,8 +102,9 @@ def _accounted(shape: ModelShape, case: Case) -> float:
     return terms["total"] - (terms["buffers"] if case.stage == 0 else 0)
 
 
-def _trace_case(case: Case, shape: ModelShape, md: bool) -> TraceCase:
-    return TraceCase(shape, case.stage, case.nd, case.nm, case.batch, case.checkpoints, md)
+def _trace_case(case: Case, shape: ModelShape, md: bool, quick: bool = False) -> TraceCase:
+    bucket = {"bucket_numel": QUICK_BUCKET_NUMEL} if quick else {}
+    return TraceCase(shape, case.stage, case.nd, case.nm, case.batch, case.checkpoints, md, **bucket)
 
 
 def _measure_all(cases: list[TraceCase], workers: int, quiet: bool, what: str) -> list[dict]:
@@ -118,14 +126,14 @@ def run(quick: bool = False, quiet: bool = False, workers: int | None = None) ->
     first = [_largest(c, 0.0, fam) for _, c, _, fam in cases]
     fig7 = [] if quick else [TraceCase(shape, p.stage, FIG6_GPUS // FIG6_NM, FIG6_NM, batch, p.checkpoints, True)
                              for shape, batch in FIG7.values() for p in PAPER_CONFIGS.values()]
-    measured = _measure_all([_trace_case(c, s, md(c)) for (_, c, _, _), s in zip(cases, first)] + fig7,
+    measured = _measure_all([_trace_case(c, s, md(c), quick) for (_, c, _, _), s in zip(cases, first)] + fig7,
                             workers, quiet, "fragmentation: round 1")
     round1, fig7_rows = measured[:len(cases)], measured[len(cases):]
     # round 2: the model that fits with the share measured in round 1, traced with and without MD
     second = [_largest(c, r["fragmentation"], fam) for (_, c, _, fam), r in zip(cases, round1)]
     zero = [i for i, (study, c, _, _) in enumerate(cases) if md(c) and study != "Table 2"]   # MD's effect
-    measured = _measure_all([_trace_case(c, s, md(c)) for (_, c, _, _), s in zip(cases, second)]
-                            + [_trace_case(cases[i][1], second[i], False) for i in zero],
+    measured = _measure_all([_trace_case(c, s, md(c), quick) for (_, c, _, _), s in zip(cases, second)]
+                            + [_trace_case(cases[i][1], second[i], False, quick) for i in zero],
                             workers, quiet, "fragmentation: round 2")
     round2, without_md = measured[:len(cases)], dict(zip(zero, measured[len(cases):]))
 
@@ -334,7 +342,8 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "fragmentation")
-    parser.add_argument("--quick", action="store_true", help="Fig 4's two cases only (no Table 2, Fig 6, Fig 7)")
+    parser.add_argument("--quick", action="store_true", help="Fig 4's two cases only (no Table 2, Fig 6, Fig 7), "
+                        "with larger gradient buckets (QUICK_BUCKET_NUMEL)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     return run_study(args.out, args.quick, args.quiet)

@@ -6,12 +6,35 @@ is slow was measured (`pytest --durations=80`, a full run on 2 cores): a module 
 fixture spawns ranks or runs studies, or a test that took 3 s or more.
 """
 
+import multiprocessing
+import multiprocessing.forkserver
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _start_the_fork_server_with_dynamo_imported() -> None:
+    """Start zero_ref.launch's fork server now, having it import torch._dynamo as well as torch.
+
+    Every rank's first engine imports torch._dynamo (torch.optim.Optimizer's methods are wrapped by
+    torch._disable_dynamo, which imports it on first call): 2-4 s of one core per rank, paid again by
+    every spawn and RankPool, about a hundred of them in this suite. Imported once in the server,
+    each forked rank has it already. Nothing else changes for the ranks: the server is the one
+    launch.py would start at the first launch (launch._context's later preload call leaves a running
+    server alone), and torch._dynamo starts no thread. It imports triton, which reads
+    TRITON_INTERPRET when imported: test_engine_kernels, whose ranks need it set, starts fresh
+    interpreters instead."""
+    from zero_ref import launch
+
+    if launch.START_METHOD == "forkserver":
+        multiprocessing.set_forkserver_preload(["torch", "torch._dynamo"])
+        multiprocessing.forkserver.ensure_running()
+
+
+_start_the_fork_server_with_dynamo_imported()
 
 SLOW_MODULES = {
     "test_bench_suite",

@@ -5,12 +5,16 @@ import pytest
 import torch
 
 from awkward import global_batches, zero_train
+from zero_ref import launch
 from zero_ref.launch import spawn
 
 
 def test_triton_and_torch_kernels_train_identically(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks
+    # triton reads TRITON_INTERPRET when it is imported (its tl.sum is jit'd then), and the fork
+    # server the other tests' ranks come from has imported it (conftest): fresh interpreters here
+    monkeypatch.setattr(launch, "START_METHOD", "spawn")
     batches = global_batches(5, 1, 12)
     jobs = [(dict(stage=stage, dtype=dtype, lr=1e-2, bucket_numel=300, kernels=kernels), batches)
             for dtype in ("fp32", "bf16") for stage in (0, 1, 2, 3) for kernels in ("torch", "triton")]

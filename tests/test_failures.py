@@ -19,9 +19,10 @@ import zero_ref
 from awkward import AwkwardNet, global_batches, loss_fn, reference_train
 from zero_ref.io.checkpoint import CheckpointError, consolidate
 from zero_ref.io.manifest import seal
-from zero_ref.launch import free_port, spawn
+from zero_ref.launch import START_METHOD, free_port, spawn
 
-TIMEOUT_S = 4.0
+TIMEOUT_S = 2.0
+"""The engines' comm_timeout_s where a test waits for it to run out: short, for the suite's time."""
 
 
 def _doomed_rank(rank, world_size, port, mode, out_dir):
@@ -55,7 +56,7 @@ def _doomed_rank(rank, world_size, port, mode, out_dir):
 
 @pytest.mark.parametrize("mode", ["dies", "hangs"])
 def test_dead_or_stuck_rank_fails_the_others_within_the_timeout(tmp_path, mode):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context(START_METHOD)   # forked from the ranks' server: torch imported
     port = free_port()
     procs = [ctx.Process(target=_doomed_rank, args=(r, 3, port, mode, str(tmp_path))) for r in range(3)]
     for p in procs:

@@ -1,7 +1,7 @@
 """The memory study: Table 1, Figure 1 and 1T@1024 from the engine at scale, the max-model-size
 search against Table 2, small real runs, and `reproduce --quick` end to end.
 
-One quick reproduce run (about a minute on 2 cores) is shared by the tests that read its outputs,
+One quick reproduce run (under two minutes on 2 cores) is shared by the tests that read its outputs,
 so every number asserted here was produced by the code path that writes results/.
 """
 
@@ -32,8 +32,8 @@ def quick(tmp_path_factory) -> Path:
     (comm_volume: test_comm_volume_study, walkthrough: test_timeline, convergence:
     test_convergence, scaling_curves: test_scaling_curves): the same runs twice would cost CI a
     minute for nothing. What is left (memory, activations, zero_r, fragmentation) runs two
-    studies at a time, as `--jobs 2` does for users: about 220 s on 2 quiet cores instead of 290 s
-    one by one, hence this module's longer timeout."""
+    studies at a time, as `--jobs 2` does for users: about 105 s on 2 quiet cores, all of it
+    computing (about 200 core-seconds), hence this module's longer timeout."""
     from experiments.reproduce import FULL_ONLY, STUDIES, main
 
     own_tests = {"comm_volume", "walkthrough", "convergence", "scaling_curves"}

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from zero_ref.launch import spawn
 
 SHAPE = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 64, "n_positions": 16}
-STEPS, GLOBAL_BATCH, SEQ = 10, 8, 12
+STEPS, SAVE_AT, GLOBAL_BATCH, SEQ = 6, 3, 8, 12
 # lr 1e-3: attention's key weights have directions of (near) zero gradient (softmax ignores a shift),
 # where AdamW turns rounding noise into lr-sized steps; at 1e-2 that noise alone reaches 1e-5 in 10 steps
 LR, CLIP = 1e-3, 0.5
@@ -90,21 +90,21 @@ def train_mp(rank: int, world: int, modes, stages, folder):
     for stage in stages:
         for mode in modes:
             with mp_engine(stage, mode, mesh) as engine:
-                losses, report = run_steps(engine, dp, batches()[:5])
+                losses, report = run_steps(engine, dp, batches()[:SAVE_AT])
                 if stage == 2 and mode == "pa":
                     engine.save_checkpoint(folder)
-                losses += run_steps(engine, dp, batches()[5:])[0]
+                losses += run_steps(engine, dp, batches()[SAVE_AT:])[0]
                 state = {_unwrap(k): v for k, v in engine.full_state_dict().items()}
             loss_error = max(abs(a - b) for a, b in zip(losses, ref_losses))
             weight_error = max((state[k] - expected[k]).abs().max().item() for k in expected)
             out[stage, mode] = loss_error, weight_error, report
-    # resume: the MP=2 x DP=2 checkpoint taken after step 5 (stage 2, Pa) loaded into stage 3
+    # resume: the MP=2 x DP=2 checkpoint taken after step SAVE_AT (stage 2, Pa) loaded into stage 3
     for stage in (2, 3):
         with mp_engine(stage, "pa", mesh) as engine:
             engine.load_checkpoint(folder)
-            losses = run_steps(engine, dp, batches()[5:])[0]
+            losses = run_steps(engine, dp, batches()[SAVE_AT:])[0]
             state = {_unwrap(k): v for k, v in engine.full_state_dict().items()}
-        out["resumed", stage] = (max(abs(a - b) for a, b in zip(losses, ref_losses[5:])),
+        out["resumed", stage] = (max(abs(a - b) for a, b in zip(losses, ref_losses[SAVE_AT:])),
                                  max((state[k] - expected[k]).abs().max().item() for k in expected))
     return out
 

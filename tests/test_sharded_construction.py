@@ -36,7 +36,7 @@ class Net(nn.Module):
         return F.linear(self.norm(h), self.embed.weight)   # tied output layer
 
 
-def batches(steps=6):
+def batches(steps=3):
     generator = torch.Generator().manual_seed(3)
     return [torch.randint(0, VOCAB, (8, 10), generator=generator) for _ in range(steps)]
 

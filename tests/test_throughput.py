@@ -5,6 +5,7 @@ what is exact is: FLOP counts, elements moved, calls, bytes, and the model's ari
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -16,6 +17,18 @@ from experiments import throughput as tp
 from experiments.paper_values import paper_runs
 from zero_ref.analysis import perf_model as pm
 from zero_ref.analysis.at_scale import ModelShape
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _each_trace_made_once():
+    """batch_search.step_trace is a function of (spec, nd, batch) alone (meta tensors, a fake
+    group), and the searches below ask for the same traces again and again: each search doubles
+    from batch 1 whatever its budget, and the command line's search repeats the test's. Each trace
+    is made once in this module; nothing reads them but to measure."""
+    patch = pytest.MonkeyPatch()
+    patch.setattr(batch_search, "step_trace", functools.cache(batch_search.step_trace))
+    yield
+    patch.undo()
 
 
 # --------------------------------------------------------------------------------- the model alone

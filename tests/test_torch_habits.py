@@ -18,11 +18,11 @@ import zero_ref
 from scenarios import LR, DataDependentOrder, WithUnused, cfg, lm_loss, local, state_error, token_batches
 from zero_ref.launch import spawn
 
-ACCUM = 3
+ACCUM, STEPS = 3, 3
 # where the loop calls model.zero_grad(set_to_none): (micro-batch index over the run -> set_to_none)
 HABITS = {
-    "after every step": {i: True for i in range(ACCUM - 1, 4 * ACCUM, ACCUM)},
-    "before every micro-batch": {i: i % 2 == 0 for i in range(4 * ACCUM)},
+    "after every step": {i: True for i in range(ACCUM - 1, STEPS * ACCUM, ACCUM)},
+    "before every micro-batch": {i: i % 2 == 0 for i in range(STEPS * ACCUM)},
     "once, mid-step": {ACCUM + 1: False},
     "once, mid-step, to none": {ACCUM + 1: True},
 }
@@ -33,7 +33,7 @@ def _loops(rank, world, stage):
     difference of the end state from torch's. WithUnused has a layer that only some micro-batches
     reach, so set_to_none decides whether the step updates it (torch: a zero gradient is one)."""
     out = {}
-    batches = token_batches(4 * ACCUM, 2 * world)
+    batches = token_batches(STEPS * ACCUM, 2 * world)
     for (habit, zero_before), make in itertools.product(HABITS.items(), (DataDependentOrder, WithUnused)):
         model, reference = make(), make()
         optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
@@ -62,7 +62,7 @@ def test_model_zero_grad_discards_as_torch_does(stage):
     """Before the engine routed model.zero_grad() to engine.zero_grad(), it changed nothing at any
     stage (mid-step: 0.03 from torch); and engine.zero_grad() restarted the count of backwards, so a
     zero_grad before every micro-batch never reached a step boundary."""
-    every_step = [(i + 1) % ACCUM == 0 for i in range(4 * ACCUM)]
+    every_step = [(i + 1) % ACCUM == 0 for i in range(STEPS * ACCUM)]
     for rank_out in spawn(_loops, 3, stage):
         for habit, (stepped, error) in rank_out.items():
             assert stepped == every_step, (habit, stepped)
