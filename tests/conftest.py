@@ -16,25 +16,35 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _start_the_fork_server_with_dynamo_imported() -> None:
-    """Start zero_ref.launch's fork server now, having it import torch._dynamo as well as torch.
+RANK_IMPORTS = ["torch", "torch._dynamo", "transformers.models.gpt2.modeling_gpt2",
+                "transformers.models.llama.modeling_llama", "transformers.models.mixtral.modeling_mixtral",
+                "transformers.models.switch_transformers.modeling_switch_transformers"]
+"""What the ranks' fork server imports before it forks any rank (see _start_the_fork_server)."""
+
+
+def _start_the_fork_server() -> None:
+    """Start zero_ref.launch's fork server now, having it import RANK_IMPORTS rather than torch alone.
 
     Every rank's first engine imports torch._dynamo (torch.optim.Optimizer's methods are wrapped by
-    torch._disable_dynamo, which imports it on first call): 2-4 s of one core per rank, paid again by
-    every spawn and RankPool, about a hundred of them in this suite. Imported once in the server,
-    each forked rank has it already. Nothing else changes for the ranks: the server is the one
-    launch.py would start at the first launch (launch._context's later preload call leaves a running
-    server alone), and torch._dynamo starts no thread. It imports triton, which reads
-    TRITON_INTERPRET when imported: test_engine_kernels, whose ranks need it set, starts fresh
-    interpreters instead."""
+    torch._disable_dynamo, which imports it on first call), and the ranks that build Hugging Face
+    models (test_peers' contenders, test_hf_models, the GPT-2 tests) import transformers: 2-4 s of
+    one core per rank, paid again by every spawn and RankPool, about a hundred of them in this
+    suite. Imported once in the server, each forked rank has them already. Nothing else changes for
+    the ranks: the server is the one launch.py would start at the first launch (launch._context's
+    later preload call leaves a running server alone) and, as there, each rank takes the caller's
+    environment at its launch. Two things are read when imported: triton's TRITON_INTERPRET
+    (torch._dynamo imports triton), so test_engine_kernels, whose ranks need it set, starts fresh
+    interpreters instead; and no test sets the variables transformers reads. The one thread these
+    imports start beyond torch's is the BLAS pool of numpy (imported by transformers): OpenBLAS
+    stops it around a fork, as every fork-started worker of a numpy program relies on."""
     from zero_ref import launch
 
     if launch.START_METHOD == "forkserver":
-        multiprocessing.set_forkserver_preload(["torch", "torch._dynamo"])
+        multiprocessing.set_forkserver_preload(RANK_IMPORTS)
         multiprocessing.forkserver.ensure_running()
 
 
-_start_the_fork_server_with_dynamo_imported()
+_start_the_fork_server()
 
 SLOW_MODULES = {
     "test_bench_suite",
