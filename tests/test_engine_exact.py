@@ -8,7 +8,7 @@ import torch
 from awkward import AwkwardNet, global_batches, reference_train, zero_train
 from zero_ref.launch import spawn
 
-STEPS, BATCH, LR = 10, 12, 1e-2
+STEPS, BATCH, LR = 6, 12, 1e-2
 TOL = 1e-5
 VARIANTS = {
     "plain": dict(bucket_numel=50, overlap=True),

@@ -1,5 +1,6 @@
 """The call patterns and models that used to give silently wrong results or unclear crashes, at world
-sizes 2 and 3, every stage, through the public API only: each must now give single-process
+size 3 (odd: most flat groups padded; the data picks different module orders on different ranks, as
+it does at world 2), every stage, through the public API only: each must now give single-process
 torch.optim.AdamW's exact answer or a clear error on every rank.
 
 1. step() twice with no backward in between; 2. two backwards before one step; 3. a forward whose
@@ -133,11 +134,13 @@ def hardening(rank: int, world: int, folder: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3])
-def runs(request, tmp_path_factory):
-    world = request.param
-    folder = tmp_path_factory.mktemp(f"hardening{world}")
-    return world, spawn(hardening, world, str(folder), timeout=280)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every scenario at world 3. (They also ran at world 2: the same scenarios and assertions again,
+    none of them about an even world size; world 2 is trained in test_engine_exact, test_torch_habits,
+    test_call_sequences and others.)"""
+    world = 3
+    return world, spawn(hardening, world, str(tmp_path_factory.mktemp(f"hardening{world}")), timeout=280)
 
 
 @functools.cache
@@ -149,8 +152,10 @@ def _references(world: int) -> dict:
         ("layered", Layered, {}), ("reversed", lambda: Layered(reverse=True), {}))}
 
 
-def test_the_data_chose_different_module_orders_on_different_ranks(runs):
-    world, _ = runs
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_data_chose_different_module_orders_on_different_ranks(world):
+    """At world 2 too, as scenarios.token_batches promises: other modules train DataDependentOrder
+    at world 2."""
     batches = token_batches(STEPS, BATCH)
     orders = [[int(local(t, r, world)[:, 0].sum()) % 2 for r in range(world)] for t in batches]
     uses_c = [[int(local(t, r, world)[0, 1]) % 3 == 0 for r in range(world)] for t in batches]
