@@ -68,12 +68,13 @@ from zero_ref.analysis.presets import PAPER_CONFIGS
 CHOSEN = 0.15
 """The memory study's chosen fragmentation share, which this study replaces."""
 
-QUICK_BUCKET_NUMEL = 2**26
-"""Gradient bucket size (elements) of --quick's traces, 16x the engine's default of 2**22: at stage
-2 the engine fills each bucket-sized piece of a reduction one rank's row at a time, Nd = 128 small
-copies per piece, each recorded by the trace, which made --quick's three traces of Fig 4's ZeRO
-case take minutes. Larger buckets mean 16x fewer pieces; the shares measured move by tenths of a
-percent. Full runs keep the default."""
+QUICK_BUCKET_NUMEL, QUICK_STEPS = 2**26, 1
+"""--quick's traces: gradient buckets of 2**26 elements, 16x the engine's default of 2**22, and one
+training step, not two. At stage 2 the engine fills each bucket-sized piece of a reduction one
+rank's row at a time, Nd = 128 small copies per piece, each recorded by the trace, which made
+--quick's three traces of Fig 4's ZeRO case take minutes; and a trace's peak is in its first step
+(the repack), so the second adds time, not a different peak. The shares measured move by tenths of
+a percent. Full runs keep the default bucket and two steps."""
 
 FIG7 = {"40B": (ModelShape(50, 8192, 32), 16), "100B": (ModelShape(125, 8192, 64), 32)}
 """Fig 7's models (appendix): shape and batch per GPU, at MP 16 on 400 GPUs."""
@@ -107,11 +108,12 @@ def _trace_case(case: Case, shape: ModelShape, md: bool, quick: bool = False) ->
     return TraceCase(shape, case.stage, case.nd, case.nm, case.batch, case.checkpoints, md, **bucket)
 
 
-def _measure_all(cases: list[TraceCase], workers: int, quiet: bool, what: str) -> list[dict]:
-    """measure() every trace case, `workers` processes at a time, results in input order."""
+def _measure_all(cases: list[TraceCase], workers: int, quiet: bool, what: str, steps: int = 2) -> list[dict]:
+    """measure() every trace case (`steps` steps each), `workers` processes at a time, results in
+    input order."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=context) as pool:
-        futures = [pool.submit(measure, case) for case in cases]
+        futures = [pool.submit(measure, case, steps) for case in cases]
         for future in tqdm(futures, desc=what, disable=quiet, file=sys.stderr):
             future.result()
     return [future.result() for future in futures]
@@ -120,6 +122,7 @@ def _measure_all(cases: list[TraceCase], workers: int, quiet: bool, what: str) -
 def run(quick: bool = False, quiet: bool = False, workers: int | None = None) -> dict[str, pd.DataFrame]:
     """Both rounds of trace-replay-search for every case, and Fig 7 (full runs only)."""
     workers = workers or min(2, os.cpu_count() or 1)
+    steps = QUICK_STEPS if quick else 2
     cases = search_cases(quick)
     md = lambda case: case.stage > 0                               # ZeRO with MD, the baseline without
     # round 1: the model the accounting alone allows (no fragmentation), traced
@@ -127,14 +130,14 @@ def run(quick: bool = False, quiet: bool = False, workers: int | None = None) ->
     fig7 = [] if quick else [TraceCase(shape, p.stage, FIG6_GPUS // FIG6_NM, FIG6_NM, batch, p.checkpoints, True)
                              for shape, batch in FIG7.values() for p in PAPER_CONFIGS.values()]
     measured = _measure_all([_trace_case(c, s, md(c), quick) for (_, c, _, _), s in zip(cases, first)] + fig7,
-                            workers, quiet, "fragmentation: round 1")
+                            workers, quiet, "fragmentation: round 1", steps)
     round1, fig7_rows = measured[:len(cases)], measured[len(cases):]
     # round 2: the model that fits with the share measured in round 1, traced with and without MD
     second = [_largest(c, r["fragmentation"], fam) for (_, c, _, fam), r in zip(cases, round1)]
     zero = [i for i, (study, c, _, _) in enumerate(cases) if md(c) and study != "Table 2"]   # MD's effect
     measured = _measure_all([_trace_case(c, s, md(c), quick) for (_, c, _, _), s in zip(cases, second)]
                             + [_trace_case(cases[i][1], second[i], False, quick) for i in zero],
-                            workers, quiet, "fragmentation: round 2")
+                            workers, quiet, "fragmentation: round 2", steps)
     round2, without_md = measured[:len(cases)], dict(zip(zero, measured[len(cases):]))
 
     traces, searches = [], []
@@ -343,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "fragmentation")
     parser.add_argument("--quick", action="store_true", help="Fig 4's two cases only (no Table 2, Fig 6, Fig 7), "
-                        "with larger gradient buckets (QUICK_BUCKET_NUMEL)")
+                        "traced with larger gradient buckets for one step (QUICK_BUCKET_NUMEL, QUICK_STEPS)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     return run_study(args.out, args.quick, args.quiet)
