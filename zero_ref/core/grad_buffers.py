@@ -143,7 +143,8 @@ class ShardedGradBuckets:
     With `may_block`, at most `max_in_flight` reductions run while backward goes on. Without it
     (stage 3 on gloo: an unbounded wait could deadlock against a peer that first needs a gather
     from this rank) every reduction is asynchronous, finished ones are `harvest`ed as gradients
-    arrive, a launch past `max_in_flight` waits at most `patience_s` for the oldest, and `drain`
+    arrive, a launch past `max_in_flight` waits at most `patience_s` for the oldest (halved, down to
+    10 ms, each time a wait runs out: a model whose ranks are not in step stops paying for it), and `drain`
     waits for the rest.
     """
 
@@ -249,6 +250,7 @@ class ShardedGradBuckets:
             while self.patient and len(self.in_flight) > self.max_in_flight and self.in_flight[0][3] is not None:
                 if not self.in_flight[0][3].settle(self.patience_s):
                     self.patient = False
+                    self.patience_s = max(0.01, self.patience_s / 2)
                     break
                 self.harvest()
 
