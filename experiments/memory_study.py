@@ -157,7 +157,7 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
     lap("bench_1t")
     t2, sensitivity, versus_nd = table2(quick, quiet)
     lap("max_model_size")
-    run = real.RealRun(steps=1, batch=1, seq=32) if quick else real.RealRun(steps=2)
+    run = real.RealRun(steps=1, batch=1, seq=32, layers=2) if quick else real.RealRun(steps=2)
     runs = real_runs([2] if quick else [2, 4], run, quiet)
     lap("real_runs")
 
