@@ -94,3 +94,15 @@ def test_the_checker_sees_a_cycle_and_a_forbidden_import():
     assert _cycle({"a": {"b"}, "b": set()}) is None
     modules = _modules()
     assert "zero_ref.guard.strict" in _imports("zero_ref.engine", modules["zero_ref.engine"], modules)
+
+
+def test_the_core_stays_small_enough_to_read_in_one_sitting():
+    """Issue 37's budget for zero_ref/core: at most 2,500 lines of code, docstrings and comments
+    (blank lines not counted, as cloc counts), and no file over 400 lines. experiments/core_size.py
+    writes the same counts, and the reading list of one stage-3 step, to results/core/."""
+    from experiments.core_size import file_sizes
+
+    files = file_sizes()
+    assert len(files) > 10 and "stage3.py" in set(files.file)
+    assert files.non_blank.sum() <= 2500, files
+    assert files.lines.max() <= 400, files.head(3)
