@@ -55,9 +55,9 @@ def pytest_args(args, out: Path) -> list[str]:
     return cmd
 
 
-def report(out: Path, run: Path, baseline: Path | None, threshold: float) -> Path:
+def report(out: Path, run: Path, baseline: Path | None, threshold: float, saved_as: Path | None = None) -> Path:
     """REPORT.md: each benchmark's ratio to DDP, bytes and elements beside the baseline's, with the
-    gate's verdict recomputed from the two JSON files."""
+    gate's verdict recomputed from the two JSON files (`saved_as`: this run is the new baseline)."""
     from experiments.bench_scaling import gate
 
     current = json.loads(run.read_text())
@@ -77,13 +77,13 @@ def report(out: Path, run: Path, baseline: Path | None, threshold: float) -> Pat
             "bytes/rank": f"{info['bytes_per_rank']['total']:,}",
             "formula bytes": f"{info['formula_bytes_per_rank']['total']:,.0f}",
             "elements/Ψ": f"{info['elements_over_psi']:.4f}", "formula": f"{info['formula_elements_over_psi']:.0f}",
-            "gate": "no baseline" if failures is None else ("pass" if not failures else "FAIL: " + "; ".join(failures)),
+            "gate": "saved as the baseline" if saved_as else "no baseline" if failures is None else ("pass" if not failures else "FAIL: " + "; ".join(failures)),
         })
     meta = current.get("commit_info", {})
     lines = ["# The scaling regression suite", "",
              f"`{provenance()['command']}` at git `{meta.get('id', '?')}` ({meta.get('time', '?')}), "
              f"machine {current['machine_info'].get('node', '?')}, {current['machine_info'].get('cpu', {}).get('brand_raw', '?')}; "
-             f"baseline: `{baseline.relative_to(ROOT) if baseline and baseline.is_relative_to(ROOT) else baseline}`.", "",
+             + (f"this run is the new baseline: `{_shown(saved_as)}`." if saved_as else f"baseline: `{_shown(baseline)}`."), "",
              "Each row: a stage's training step against DDP + AdamW(foreach) in the same ranks, in paired rounds "
              "(alternating order); the ratio is the median over rounds of the per-round ratio, with a "
              "distribution-free 95% interval of that median. fp32 throughout; bytes per rank are params + grads + "
@@ -98,6 +98,10 @@ def report(out: Path, run: Path, baseline: Path | None, threshold: float) -> Pat
     path = out / "REPORT.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _shown(path: Path | None) -> str:
+    return str(path.relative_to(ROOT) if path and path.is_relative_to(ROOT) else path)
 
 
 def run_study(out: Path, quick: bool, quiet: bool) -> dict:
@@ -166,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     run = args.out / "run.json"
     if run.exists():
         (args.out / "meta.json").write_text(json.dumps(provenance() | {"exit_status": code}, indent=2) + "\n")
-        print(f"wrote {report(args.out, run, baseline, args.threshold)}")
+        saved_as = baseline_file(args.out) if args.save_baseline else None
+        print(f"wrote {report(args.out, run, baseline, args.threshold, saved_as)}")
     return code
 
 
