@@ -35,8 +35,8 @@ from .in_flight import SideStream
 from .labels import label
 from .partition import GroupLayout, bind_params_to, copy_params_into, make_group
 from .stage_base import Stage
-from .units import (FOREIGN_BACKWARD, GatherSchedule, Hold, Unit, UnitState, build_units, internal, module_name,
-                    output_tensors)
+from .units import (FOREIGN_BACKWARD, TRUST_AFTER, GatherSchedule, Hold, Unit, UnitState, build_units, internal,
+                    module_name, output_tensors)
 
 
 class Stage3(Stage):
@@ -92,8 +92,9 @@ class Stage3(Stage):
         self.internal = 0                        # > 0 while the stage's own code runs
         self.gather_stream = SideStream(self.device)
         self.shards_written = None               # CUDA event: this rank's shards are up to date
-        self.forward_schedule = GatherSchedule(comm, self._issue_gather, config.prefetch)
-        self.backward_schedule = GatherSchedule(comm, self._issue_gather, config.prefetch)
+        trust_after = TRUST_AFTER if config.checks == "off" else None   # off: every rank runs alike
+        self.forward_schedule = GatherSchedule(comm, self._issue_gather, config.prefetch, trust_after)
+        self.backward_schedule = GatherSchedule(comm, self._issue_gather, config.prefetch, trust_after)
         # on gloo the host itself waits for a reduction, stalling backward: two in flight (three buffers)
         # let the oldest finish meanwhile (`zero-ref bench --stages 3` measures the difference)
         may_block = self.device.type == "cuda" or comm.backend == "fake"
