@@ -1,9 +1,8 @@
 """The collectives zero-ref calls, on separate channels, and the ledger that counts what they move.
 
-Collectives pair up across ranks by their position in each rank's sequence on one process group,
-so sequences that may interleave differently on different ranks get groups of their own, over the
-same ranks (the *channels*, created once per parent group, backend and timeout, and shared by every
-engine on those ranks: `_channel_groups`):
+Collectives pair up by their position on one process group, so sequences that may interleave
+differently on different ranks get groups of their own over the same ranks (*channels*, created once
+per parent group, backend and timeout: `_channel_groups`):
 
     reduce      gradient reductions and every other collective that moves model data
     gather      stage 3's parameter gathers, which interleave with its reductions in an order that
@@ -14,15 +13,13 @@ engine on those ranks: `_channel_groups`):
     calls       opens each collective call training does not make (full_state_dict, checkpoints),
                 so one made on some ranks only is caught (guard/strict.py); gloo
 
-On the CPU (gloo) every collective is issued asynchronously and waited on for at most `timeout_s`,
-so a dead or stuck peer becomes a CollectiveError, not a hang (in_flight.py); on CUDA (NCCL) a wait
-only makes the current stream wait, and NCCL's watchdog enforces the groups' timeout. A collective
-that fails retires its engine's channels from the cache (`retire`). Over one rank the data
-collectives are local copies on the caller's thread. gloo's own workarounds are in gloo.py.
+On gloo every collective is asynchronous and waited on for at most `timeout_s`, so a dead or stuck
+peer becomes a CollectiveError, not a hang (in_flight.py); on NCCL a wait only makes the current
+stream wait, and NCCL's watchdog enforces the timeout. A failed collective retires the channels
+(`retire`). Over one rank data collectives are local copies. gloo's workarounds are in gloo.py.
 
-The ledger counts elements moved per rank as the paper does (Sec 7): an all-reduce of n moves 2n;
-a reduce-scatter or all-gather of a full buffer of n moves n; a broadcast of n moves n. Control
-messages are not training traffic and are not counted.
+The ledger counts elements moved per rank as the paper does (Sec 7): an all-reduce of n moves 2n,
+a reduce-scatter, all-gather or broadcast of n moves n; control messages are not counted.
 """
 
 from __future__ import annotations
@@ -87,11 +84,9 @@ atexit.register(_CHANNELS.clear)   # release the groups while the interpreter is
 def _channel_groups(parent: dist.ProcessGroup | None, backend: str, timeout_s: float
                     ) -> tuple[tuple, list[dist.ProcessGroup]]:
     """(cache key, [reduce, gather, control, statistics, calls] groups) over the ranks of `parent`,
-    created by the first engine on those ranks. They are never destroyed with an engine: torch names
-    a new group after the number of live groups, and a re-created one would find its predecessor's
-    rendezvous keys. A group over some ranks only is created with `use_local_synchronization`
-    (named after this process's group count); one over every rank the ordinary way (named by the
-    count of `new_group` calls, which every rank makes alike even when a user's own groups differ)."""
+    made by the first engine on those ranks and never destroyed (a re-created group would find its
+    predecessor's rendezvous keys). Over some ranks only: `use_local_synchronization`; over every
+    rank the ordinary way (named by the count of `new_group` calls, alike on every rank)."""
     parent = parent if parent is not None else dist.group.WORLD
     key = (id(parent), backend, timeout_s)
     if key not in _CHANNELS:
@@ -194,11 +189,8 @@ class Comm:
         return self._issue(work, f"all_reduce of {tensor.numel()} elements", async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False):
-        """Average `full` (identical shape on every rank) over the group; rank r receives chunk r of
-        the result in `output`, which may be rank r's own chunk of `full` (in place).
-
-        On gloo it is an all-to-all and a local sum (gloo.py); elsewhere the backend's own
-        reduce-scatter."""
+        """Average `full` (same shape on every rank) over the group; rank r receives chunk r in
+        `output`, which may be its own chunk of `full`. On gloo: an all-to-all and a local sum (gloo.py)."""
         self.ledger.record("reduce_scatter", full.numel())
         then = None
         with self._label_issue("reduce_scatter", full):

@@ -6,15 +6,13 @@ before autograd adds a gradient into `param.grad` (stages 2-3 point `.grad` at t
 range in a bucket first, so autograd accumulates straight into it); *after* runs once every use
 of the parameter in this backward has been accumulated, and tells `GroupArrivals`.
 
-Collectives pair up by position, so a group (bucket or unit) whose gradients are complete is
-launched only once every group before it in a launch order shared by all ranks has been; at the
-end of backward `flush` launches the rest (zeros for parameters that got no gradient). Gradients
-may arrive in any order on each rank (data-dependent control flow); only the launch order agrees.
+Collectives pair up by position, so a group whose gradients are complete is launched only after
+every group before it in a launch order all ranks share; `flush` launches the rest at the end of
+backward. Gradients may arrive in any order on each rank; only the launch order agrees.
 
-`ShardedGradBuckets` takes buffers of at most one bucket from a `BucketPool` (the paper's
-constant-size buffers, CB) while a group fills and reduces, then gives them back; only this
-rank's reduced shard stays. Reductions run on the communication side stream (CUDA), and the
-compute stream waits once, at the end of backward.
+`ShardedGradBuckets` takes buffers of at most one bucket from a `BucketPool` (the paper's CB) while
+a group fills and reduces; only this rank's reduced shard stays. Reductions run on the side stream
+(CUDA); the compute stream waits once, at the end of backward.
 """
 
 from __future__ import annotations
@@ -134,18 +132,15 @@ class ShardedGradBuckets:
     """Gradient buckets that exist only while a group fills and reduces (stages 2 and 3), each at
     most `piece_numel` elements (a multiple of Nd): the paper's CB, whatever a group's size.
 
-    - A group that fits is one bucket: `bind(g)` (before-hook) points the group's `.grad` into it,
-      `add` (after-hook) makes sure a gradient is in it, `reduce_scatter(g)` averages it in place.
-    - A larger group (a stage-3 unit, a big embedding) is reduced in pieces: `add` holds each
-      gradient, and `reduce_scatter(g)` copies columns [lo, lo + w) of every rank's shard into one
-      buffer of Nd * w elements and reduce-scatters that, piece after piece.
+    - A group that fits is one bucket: `bind(g)` (before-hook) points `.grad` into it, `add`
+      (after-hook) makes sure a gradient is in it, `reduce_scatter(g)` averages it in place.
+    - A larger group is reduced in pieces: `add` holds each gradient, `reduce_scatter(g)` copies
+      columns [lo, lo + w) of every rank's shard into a buffer of Nd * w and reduce-scatters that.
     A finished reduction adds this rank's chunk into `grad_shards[g]` and gives the buffer back.
-    With `may_block`, at most `max_in_flight` reductions run while backward goes on. Without it
-    (stage 3 on gloo: an unbounded wait could deadlock against a peer that first needs a gather
-    from this rank) every reduction is asynchronous, finished ones are `harvest`ed as gradients
-    arrive, a launch past `max_in_flight` waits at most `patience_s` for the oldest (halved, down to
-    10 ms, each time a wait runs out: a model whose ranks are not in step stops paying for it), and `drain`
-    waits for the rest.
+    With `may_block`, at most `max_in_flight` reductions run during backward. Without it (stage 3 on
+    gloo, where a blocking wait could deadlock against a peer needing a gather from this rank) done
+    ones are `harvest`ed as gradients arrive, and a launch past `max_in_flight` waits at most
+    `patience_s` for the oldest (halved, to 10 ms at least, each time it runs out); `drain` waits.
     """
 
     def __init__(self, comm, groups: Sequence[FlatGroup], grad_shards: list[torch.Tensor], dtype: torch.dtype,

@@ -1,14 +1,12 @@
 """Sharded AdamW over flat fp32 segments, and the step's vote that decides how to step.
 
-A rank updates one *segment* per group (the engine's vocabulary): the fp32 master, the gradient
-(reduce dtype, still loss-scaled) and, in mixed precision, the low-precision parameter segment
-that receives the rounded result. Masters and both moments live in contiguous fp32 buffers laid
-out like the segments; in fp32 training the master *is* the parameter segment. The update is one
-`triton_kernels.fused_adamw_` call per chunk of at most `bucket_numel` (the paper's CB).
+A rank updates one *segment* per group: the fp32 master, the (loss-scaled) gradient and, in mixed
+precision, the low-precision parameter segment that gets the rounded result. Masters and moments
+are contiguous fp32 buffers laid out like the segments (in fp32 the master *is* the parameter
+segment); one `triton_kernels.fused_adamw_` call per chunk of at most `bucket_numel` (CB).
 
-As torch.optim.AdamW: each parameter takes its param group's hyper-parameters, read afresh at
-every step; a parameter that got no gradient on any rank is not updated at all (no weight decay),
-and each counts its own steps for the bias correction.
+As torch.optim.AdamW: each parameter takes its group's hyper-parameters, read at every step; one
+that got no gradient on any rank is not updated (no weight decay); each counts its own steps.
 
 The vote (`GradStats.vote`): [sum of squares, non-finite flag, one 0/1 per parameter, a guard's
 named counts] summed across ranks in fp64 in one small all-reduce and read on the host once: that

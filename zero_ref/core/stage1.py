@@ -17,9 +17,8 @@ Communicated, on the micro-batch that ends a step:
 Reduce-scatter plus all-gather is exactly an all-reduce split in two, so the total stays 2Ψ, as
 for plain data parallelism (paper Sec 7.2.1).
 
-A further backward before the step (torch's semantics: gradients accumulate) would add local
-gradients onto a buffer whose own chunks are already averaged; so it first all-gathers those
-chunks (Ψ elements), making the buffer a full averaged gradient on every rank, as in stage 0.
+A further backward before the step (gradients accumulate) first all-gathers the averaged chunks
+(Ψ elements), so the buffer is a full averaged gradient on every rank, as in stage 0.
 """
 
 from __future__ import annotations

@@ -6,11 +6,10 @@ updates, 2Ψ/Nd bytes. Parameters stay full: 2Ψ + (2 + K)Ψ/Nd in all.
 Communicated, on every micro-batch:
 1. backward: just before a bucket's first gradient arrives, the bucket takes a constant-size
    buffer from a small pool (CB) and its parameters' `.grad` point into it, so autograd accumulates
-   there. When the bucket is complete it is reduce-scattered (averaged) in place, rank r adds chunk r
-   to its gradient shard, and the buffer goes back to the pool. With `overlap`, one bucket fills
-   while the previous one reduces (two buffers), so gradient memory never grows with the model
-   (Ψ elements per step). A parameter larger than a bucket (a big embedding) is a group of its own: autograd
-   keeps its gradient, which is reduce-scattered in bucket-size pieces, so no buffer outgrows CB;
+   there. A complete bucket is reduce-scattered (averaged) in place, rank r adds chunk r to its
+   gradient shard, and the buffer goes back to the pool; with `overlap` one bucket fills while the
+   previous one reduces (Ψ elements per step). A parameter larger than a bucket is a group of its
+   own, reduce-scattered from autograd's gradient in bucket-size pieces, so no buffer outgrows CB;
 2. step: each rank updates its shard and all-gathers that bucket's parameters in place while the
    next bucket updates (Ψ elements): 2Ψ in all, the same as plain data parallelism (Sec 7.2.1).
 With gradient accumulation each micro-batch is reduce-scattered and added into the shard, since no

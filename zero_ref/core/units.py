@@ -17,11 +17,9 @@ not gather by need but follow a `GatherSchedule`, the same on every rank:
 * A rank whose pass raised answers FAILED instead of DONE, so every rank learns whose pass raised
   (`failed_ranks`) and can stop with them.
 
-A round costs one control exchange of a few integers (one per pass when nothing deviates), and
-the wait for the slowest rank: 4-5% of a step of the suite's small GPT-2s on 2 cores. With
-`trust_after` (checks="off": a program every rank runs alike) a schedule that held for that many
-passes in a row, with no request and no failure on any rank, skips its closing round from then on;
-a rank that then needs a unit outside it raises (the others time out at their next collective).
+A round is one control exchange and a wait for the slowest rank (one per pass when nothing
+deviates). With `trust_after` (checks="off") a schedule every rank followed that many passes in a
+row skips its closing round; a rank then needing a unit outside it raises.
 """
 
 from __future__ import annotations
@@ -184,11 +182,9 @@ class GatherSchedule:
             self._issue_through(self.position[u] + 1 + self.depth)
         elif not held:
             if self.trusted:
-                raise RuntimeError(
-                    f"stage 3 (checks='off'): this rank needs unit {u} outside the gather order every rank has "
-                    f"followed for {self.quiet_passes} passes, and with checks='off' the ranks no longer confirm that "
-                    "order each pass, so the others cannot join this gather (they time out). The model's module "
-                    "order depends on the data: use checks='strict', the default")
+                raise RuntimeError(f"stage 3 (checks='off'): this rank needs unit {u} outside the gather order every "
+                                   f"rank followed for {self.quiet_passes} passes, which off no longer confirms: the "
+                                   "module order depends on the data, use checks='strict'")
             if self.learned:   # u's entry is used up, or u is not in the schedule at all
                 self._issue_through(len(self.entries))   # the gathers must line up before a round
             self._round(u)
