@@ -6,7 +6,7 @@ Two measurements, both from the code as it is, none by hand:
 * **files**: every file of `zero_ref/core/` with its lines (all, and without blank lines: code,
   docstrings and comments, as cloc counts them).
 * **stage-3 step**: the core functions one stage-3 training step runs (forward, backward, step of
-  GPT-2 S at world 2, checks="off", after two warm-up steps), found with `sys.setprofile` on every
+  GPT-2 S at world 2, after WARMUP_STEPS steps: the steady state), found with `sys.setprofile` on every
   thread, not chosen by hand. A reader following one parameter through the step reads those
   functions, plus each file's module docstring and the docstring of each class whose methods ran;
   the lines of that union are counted per file. Measured under checks="off" (the core alone) and
@@ -30,6 +30,9 @@ from experiments.provenance import ROOT, provenance
 
 CORE = ROOT / "zero_ref" / "core"
 PACKAGE = ROOT / "zero_ref"
+WARMUP_STEPS = 5
+"""Steps before the traced one: stage 3 learns its gather schedules in the first, and under
+checks="off" stops their closing rounds after three more (units.TRUST_AFTER)."""
 
 
 def _lines(text_lines: list[str]) -> tuple[int, int]:
@@ -60,7 +63,7 @@ def _step_trace(rank: int, world: int, checks: str) -> list[tuple[str, int]]:
         engine.backward(lm_loss(engine(batch).logits, batch))
         engine.step()
 
-    for _ in range(2):
+    for _ in range(WARMUP_STEPS):
         step()
     seen: set[tuple[str, int]] = set()
     package = str(PACKAGE)
@@ -171,7 +174,7 @@ def run_study(out: Path) -> dict:
     for checks, step in steps.items():
         summary = summaries[checks]
         lines += [f"## One stage-3 step, checks=\"{checks}\"", "",
-                  f"GPT-2 S at world 2 (gloo), forward, backward and step after two warm-up steps: the functions "
+                  f"GPT-2 S at world 2 (gloo), forward, backward and step after {WARMUP_STEPS} warm-up steps: the functions "
                   f"it runs are in {summary['step_core_files']} core files, {summary['step_core_lines']} lines to read "
                   f"({summary['step_core_non_blank']} not blank), module and class docstrings included; "
                   f"{summary['step_other_files']} files outside the core add {summary['step_other_lines']}.", "",
