@@ -51,13 +51,15 @@ def _step_trace(rank: int, world: int, checks: str) -> list[tuple[str, int]]:
     """(file, first line) of every zero_ref function one stage-3 step runs on this rank."""
     import dataclasses
 
+    import torch
+
     import zero_ref
     from experiments.scaling_curves import MODELS
     from zero_ref.models import lm_loss
 
     size = MODELS["S"]
     engine = zero_ref.initialize(size.build(), dataclasses.replace(size.config(3), checks=checks))
-    batch = torch_randint(size, rank)
+    batch = torch.randint(0, size.vocab, (4, size.seq), generator=torch.Generator().manual_seed(rank))
 
     def step():
         engine.backward(lm_loss(engine(batch).logits, batch))
@@ -82,12 +84,6 @@ def _step_trace(rank: int, world: int, checks: str) -> list[tuple[str, int]]:
         threading.setprofile(None)
     engine.close()
     return sorted(seen)
-
-
-def torch_randint(size, rank: int):
-    import torch
-
-    return torch.randint(0, size.vocab, (4, size.seq), generator=torch.Generator().manual_seed(rank))
 
 
 def _spans(path: Path, first_lines: set[int]) -> list[tuple[int, int, str]]:
