@@ -278,7 +278,7 @@ def main(argv=None) -> None:
 def run_study(out, quick: bool = False, quiet: bool = False) -> dict:
     """The reproduce entry (full runs only): the benchmark at its default sizes on one torch thread
     into ``out``, and one headline row per AdamW-step measurement."""
-    from experiments.reproduce_report import NOT_AN_ERROR
+    from experiments.paper_values import NOT_AN_ERROR
 
     main(["--out", str(out), "--threads", "1"])
     with open(os.path.join(out, "bench.csv")) as f:

@@ -12,12 +12,14 @@ from __future__ import annotations
 import csv
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pandas as pd
 
 from experiments.markdown import table
-from experiments.reproduce_report import NOT_AN_ERROR, _commits_since
+from experiments.provenance import ROOT
+from experiments.paper_values import NOT_AN_ERROR
 
 MODEL_GOAL = 0.15      # issue 10: each model term within 15% of the timed runs
 
@@ -117,13 +119,25 @@ def host_evidence(runs: list[dict], calibration: dict) -> list[str]:
     return notes
 
 
+def changed_since(revision: str) -> list[str] | None:
+    """The code files (zero_ref/, experiments/, triton_kernels/) that differ between ``revision``
+    and the working tree; None when git cannot say (not a checkout, revision unknown)."""
+    try:
+        done = subprocess.run(["git", "diff", "--name-only", revision.split("+")[0], "--", "zero_ref", "experiments",
+                               "triton_kernels"], cwd=ROOT, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return [line for line in done.stdout.splitlines() if line]
+
+
 def _since(revision: str) -> str:
-    """A sentence on the code's commits after the recorded run: its rows describe that revision."""
-    since = _commits_since(revision)
-    if not since:
+    """A sentence on the code changed since the recorded run: its rows describe that revision."""
+    changed = changed_since(revision)
+    if not changed:
         return ""
-    return (f" The code has changed in {since} commit(s) since this run (`git log {revision[:7]}..HEAD -- zero_ref "
-            "experiments triton_kernels`): a failing row describes the recorded revision until the next GPU run.")
+    return (f" **Stale**: {len(changed)} code file(s) differ from this run's revision (`git diff --stat "
+            f"{revision[:7]} -- zero_ref experiments triton_kernels`): a failing row describes the recorded revision "
+            "until the next GPU run.")
 
 
 def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
@@ -137,8 +151,8 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
         return {"headline": [{"item": "GPU checks (experiments/gpu_check.sh)", "paper": "V100 32 GB, NCCL",
                               "ours": "no GPU run recorded", "error": NOT_AN_ERROR, "how": "-"}], "meta": {}}
     how = f"real run, {record['gpu']} (gpu_check.sh at `{record['revision'][:7]}`)"
-    since = _commits_since(record["revision"])
-    stale = f" at `{record['revision'][:7]}`, {since} code commit(s) ago" if since else ""
+    changed = changed_since(record["revision"])
+    stale = f" at `{record['revision'][:7]}`, {len(changed)} code file(s) changed since" if changed else ""
     headline, lines = [], [f"# GPU checks on {record['gpu']}", "",
                            f"Recorded by `bash experiments/gpu_check.sh` at git `{record['revision']}` on {record['date']}: "
                            f"{record['line']}; {record['software']}. Summarised by `experiments/gpu_report.py`; every "

@@ -23,6 +23,9 @@ from pathlib import Path
 DATA = Path(__file__).resolve().parent / "paper_data"
 """The folder of the paper's numbers (shipped with the package: pyproject's package-data)."""
 
+NOT_AN_ERROR = "none: the paper gives no number (a measurement, not an error)"
+"""The ``error`` cell of a study's headline row that reports a measurement the paper has no number for."""
+
 _STAGES = {"Pos": 1, "Pos+g": 2, "Pos+g+p": 3}
 
 

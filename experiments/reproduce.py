@@ -1,17 +1,23 @@
-"""`zero-ref reproduce`: run every study of the paper that exists, write results/ and REPORT.md.
+"""`zero-ref reproduce`: run the paper's studies whose inputs changed, write results/ and REPORT.md.
 
 A study is a module under experiments/ (``STUDIES`` names it; experiments/README.md maps each paper
 artifact to it) whose ``run_study(out, quick, quiet) -> {"headline": rows, "meta": {...}}`` writes
 its CSVs, plots and own REPORT.md under ``results/<study>/`` and returns one row per paper claim it
 checks: ``item``, ``paper`` (the paper's value), ``ours``, ``error`` and ``how`` (analysis / engine
-at scale / search / real run / performance model). This module runs them (``--jobs N``: the untimed
-ones N at a time, each in its own process; the timed ones always alone, afterwards) and has
-`experiments.reproduce_report` write ``results/REPORT.md``: a single page that says what is
-reproduced and what is not. Later studies plug in by adding an entry to ``STUDIES``.
+at scale / search / real run / performance model).
 
-    python -m experiments.reproduce            # every study
+The job is incremental: each study's ``headline.json`` stores its key (`experiments.study_key`: the
+hash of every project file it imports, its arguments and the machine), and a study runs only when
+its key now differs (``--force``: always). Each runs in a fresh process of its own, its output in
+``results/.logs/<study>.log``, while one progress line shows the whole job (``--jobs N``: the
+untimed studies N at a time; the timed ones always alone, afterwards). At the end
+`experiments.reproduce_report` writes ``results/REPORT.md`` from every study's current rows, each
+marked current or stale, and a summary table is printed.
+
+    python -m experiments.reproduce            # every study whose key changed
+    python -m experiments.reproduce --force    # every study
     python -m experiments.reproduce --quick    # fewer cases, traces and real runs; none of FULL_ONLY
-    python -m experiments.reproduce --only throughput    # one study
+    python -m experiments.reproduce --only throughput    # consider one study
     python -m experiments.reproduce --jobs 2   # the untimed studies two at a time
 
 How long a run takes is recorded where it ran, never copied here: ``seconds`` in results/meta.json
@@ -24,7 +30,10 @@ import argparse
 import importlib
 import json
 import multiprocessing
+import os
+import re
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -33,6 +42,7 @@ from tqdm import tqdm
 
 from experiments.provenance import ROOT, provenance
 from experiments.reproduce_report import write_report
+from experiments.study_key import changes, environment, stored_key, study_key
 
 STUDIES = {
     "memory": ("Memory and model size: Table 1, Figure 1, Table 2, Sec 10.4 (Fig 4's sizes)", "experiments.memory_study"),
@@ -71,55 +81,169 @@ TIMED = FULL_ONLY | {"scaling_curves", "walkthrough"}
 they run one at a time with nothing beside them, after the others, whatever ``--jobs`` says."""
 
 
-def _run_study(folder: str, out: Path, quick: bool, quiet: bool) -> dict:
-    """Run one study into ``out/folder`` and save its headline rows with their provenance and time."""
-    start = time.perf_counter()
-    result = importlib.import_module(STUDIES[folder][1]).run_study(out / folder, quick, quiet)
-    record = {"headline": result["headline"], "seconds": round(time.perf_counter() - start, 1), **provenance()}
+def _run_study(folder: str, out: Path, quick: bool, key: dict, log: Path) -> dict:
+    """Run one study into ``out/folder`` in this process, its output (this process's and its
+    children's, profiler lines included) going to ``log``; save its headline rows with their key,
+    provenance and time."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        start = time.perf_counter()
+        result = importlib.import_module(STUDIES[folder][1]).run_study(out / folder, quick, False)
+    record = {"headline": result["headline"], "seconds": round(time.perf_counter() - start, 1), "key": key,
+              **provenance()}
     (out / folder / "headline.json").write_text(json.dumps(record, indent=1) + "\n")
     return result
 
 
-def run_studies(names: list[str], out: Path, quick: bool, quiet: bool, jobs: int = 1) -> dict[str, dict]:
-    """Run the named studies; the untimed ones `jobs` at a time in their own processes (their bars
-    silenced), then the timed ones here, one by one. The first failure stops what has not started
-    and is raised once the running studies have finished (their results are kept)."""
-    untimed = [name for name in names if name not in TIMED] if jobs > 1 else []
+def _last_words(log: Path, width: int = 40) -> str:
+    """What a running study printed last (its progress bar's latest state), cut to ``width``."""
+    try:
+        with open(log, "rb") as handle:
+            handle.seek(max(0, log.stat().st_size - 2048))
+            tail = handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+    pieces = [p.strip() for p in re.split(r"[\r\n]", tail) if p.strip()]
+    return pieces[-1][:width] if pieces else ""
+
+
+class _Display:
+    """One progress line for the whole job: studies done, the ones running with their time against
+    their last run's, what each printed last, and the time left by those estimates."""
+
+    def __init__(self, names: list[str], estimates: dict[str, float | None], logs: dict[str, Path], quiet: bool):
+        self.estimates, self.logs, self.running, self.stop = estimates, logs, {}, threading.Event()
+        self.left = set(names)
+        self.bar = tqdm(total=len(names), desc="reproduce", unit="study", disable=quiet, file=sys.stderr,
+                        bar_format="{desc} {n}/{total} studies [{elapsed}]{postfix}", dynamic_ncols=True)
+        self.ticker = threading.Thread(target=self._tick, daemon=True)
+        self.ticker.start()
+
+    def started(self, name: str) -> None:
+        self.running[name] = time.perf_counter()
+
+    def finished(self, name: str) -> None:
+        self.running.pop(name, None)
+        self.left.discard(name)
+        self.bar.update()
+
+    def _tick(self) -> None:
+        while not self.stop.wait(1.0):
+            now, parts, left = time.perf_counter(), [], 0.0
+            for name, since in list(self.running.items()):
+                estimate = self.estimates.get(name)
+                left += max(0.0, (estimate or 0) - (now - since))
+                parts.append(f"{name} {now - since:.0f}s" + (f"/~{estimate:.0f}s" if estimate else "")
+                             + f" {_last_words(self.logs[name])}")
+            left += sum(self.estimates.get(n) or 0 for n in self.left - set(self.running))
+            self.bar.set_postfix_str(" | ".join(parts) + (f" | ~{left / 60:.0f} min left" if left else ""))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.ticker.join()
+        self.bar.close()
+
+
+def run_studies(names: list[str], out: Path, quick: bool, quiet: bool, jobs: int = 1,
+                keys: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Run the named studies, each in a fresh process of its own (its output in ``out/.logs/``):
+    the untimed ones ``jobs`` at a time, then the timed ones one by one. The first failure stops
+    what has not started and is raised, naming the study and its log, once the running studies
+    have finished (their results are kept)."""
+    keys = keys or {name: study_key(name, STUDIES[name][1], quick, out) for name in names}
+    logs = {name: out / ".logs" / f"{name}.log" for name in names}
+    estimates = {name: _last_seconds(out, name, keys[name]) for name in names}
+    display = _Display(names, estimates, logs, quiet)
     ran: dict[str, dict] = {}
-    bar = tqdm(total=len(names), desc="studies", disable=quiet, file=sys.stderr)
-    if untimed:
-        failure = None
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(min(jobs, len(untimed)), mp_context=context) as pool:
-            futures = {pool.submit(_run_study, name, out, quick, True): name for name in untimed}
-            for future in as_completed(futures):
-                if future.cancelled():
-                    continue
-                if future.exception() is not None:
-                    failure = failure or (futures[future], future.exception())
-                    for other in futures:   # what has not started; the running ones finish
-                        other.cancel()
-                    continue
-                ran[futures[future]] = future.result()
-                bar.update()
-        if failure:
-            raise RuntimeError(f"study {failure[0]} failed (finished: {', '.join(ran) or 'none'})") from failure[1]
-    for name in names:
-        if name not in ran:
-            ran[name] = _run_study(name, out, quick, quiet)
-            bar.update()
-    bar.close()
+    context = multiprocessing.get_context("spawn")
+    try:
+        for batch, width in (([n for n in names if n not in TIMED], jobs), ([n for n in names if n in TIMED], 1)):
+            if not batch:
+                continue
+            with ProcessPoolExecutor(min(width, len(batch)), mp_context=context, max_tasks_per_child=1) as pool:
+                futures = {pool.submit(_run_study, name, out, quick, keys[name], logs[name]): name for name in batch}
+                for name in batch[:width]:   # the pool starts them in the order submitted
+                    display.started(name)
+                next_up, failure = width, None
+                for future in as_completed(futures):
+                    name = futures[future]
+                    if future.cancelled():
+                        continue
+                    if future.exception() is not None:
+                        failure = failure or (name, future.exception())
+                        for other in futures:   # what has not started; the running ones finish
+                            other.cancel()
+                    else:
+                        ran[name] = future.result()
+                    display.finished(name)
+                    if next_up < len(batch) and not failure:
+                        display.started(batch[next_up])
+                        next_up += 1
+                if failure:
+                    name, error = failure
+                    raise RuntimeError(f"study {name} failed (finished: {', '.join(ran) or 'none'}); its output: "
+                                       f"{logs[name]}, ending:\n{_tail(logs[name])}") from error
+    finally:
+        display.close()
     return ran
 
 
+def _tail(log: Path, lines: int = 15) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else "(no output)"
+
+
+def _last_seconds(out: Path, name: str, key: dict) -> float | None:
+    """How long ``name`` took last time it ran with the same arguments (None: never)."""
+    path = out / name / "headline.json"
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    same_args = (record.get("key") or {}).get("args", {"quick": "quick" in record.get("command", "")}) == key["args"]
+    return record.get("seconds") if same_args else None
+
+
+def plan(names: list[str], out: Path, quick: bool, force: bool) -> tuple[list[str], dict[str, dict], dict]:
+    """Which of ``names`` to run: those whose stored key differs from their key now (all with
+    ``force``). Returns them, every study's current key, and why each stored key is stale."""
+    env = environment()
+    keys = {name: study_key(name, module, quick, out, env) for name, (_, module) in STUDIES.items()}
+    why = {name: changes(stored_key(out, name), keys[name]) for name in STUDIES}
+    return [name for name in names if force or why[name]], keys, why
+
+
+def summary(names: list[str], ran: dict, why: dict[str, list[str]], out: Path) -> str:
+    """The table printed at the end: each study, what this run did with it, its time."""
+    rows = []
+    for name in STUDIES:
+        path = out / name / "headline.json"
+        seconds = json.loads(path.read_text()).get("seconds") if path.exists() else None
+        if name in ran:
+            status = "ran"
+        elif name not in names:
+            status = "not asked" + (" (stale)" if why[name] else "")
+        elif why[name]:
+            status = "stale: " + "; ".join(why[name])
+        else:
+            status = "current (not rerun)"
+        rows.append((name, status[:90], "-" if seconds is None else f"{seconds:.0f} s"))
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{n:<{width}}  {t:>7}  {s}" for n, s, t in [("study", "status", "time"), *rows])
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """Run every study (``--quick``: the short version) and write ``--out``/REPORT.md."""
+    """Run every study whose key changed (``--force``: all; ``--quick``: the short version) and write
+    ``--out``/REPORT.md."""
     parser = argparse.ArgumentParser(prog="zero-ref reproduce", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the short version: fewer cases, traces and real runs, "
                         f"and none of {', '.join(sorted(FULL_ONLY))}")
+    parser.add_argument("--force", action="store_true", help="rerun the studies even where their results are current")
     parser.add_argument("--out", type=Path, default=ROOT / "results", help="results folder (default: results/)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    parser.add_argument("--only", choices=sorted(STUDIES), nargs="+", help="run only these studies (the others keep their last headline rows in REPORT.md, marked as such)")
+    parser.add_argument("--quiet", action="store_true", help="no progress display and no summary")
+    parser.add_argument("--only", choices=sorted(STUDIES), nargs="+", metavar="STUDY",
+                        help="consider only these studies (the others keep their last headline rows in REPORT.md, "
+                             f"marked stale where they are): {', '.join(STUDIES)}")
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="run the untimed studies N at a time, each in its own process (default 1; the timed "
                              f"studies, {', '.join(sorted(TIMED))}, always run alone)")
@@ -127,22 +251,27 @@ def main(argv: list[str] | None = None) -> dict:
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     start = time.perf_counter()
-    sections = []
     names = args.only or [name for name in STUDIES if not (args.quick and name in FULL_ONLY)]
-    ran = run_studies(names, args.out, args.quick, args.quiet, args.jobs)
-    for folder, (title, _) in STUDIES.items():   # studies not run now keep their last headline rows
-        saved = args.out / folder / "headline.json"
-        if folder in ran:
-            sections.append((folder, title, ran[folder]))
-        elif saved.exists():
-            record = json.loads(saved.read_text())
-            sections.append((folder, title, {"headline": record["headline"], "earlier": record}))
-    meta = provenance() | {"quick": args.quick, "seconds": round(time.perf_counter() - start, 1), "studies": names}
+    todo, keys, why = plan(names, args.out, args.quick, args.force)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    path = write_report(args.out, sections, meta)
-    print(f"wrote {path} ({meta['seconds']:.0f} s)")
-    return {"report": path, "sections": sections, "meta": meta}
+    try:
+        ran = run_studies(todo, args.out, args.quick, args.quiet, args.jobs, keys) if todo else {}
+    finally:   # what finished is kept, in REPORT.md too, even when a study failed
+        done = {name for name in STUDIES if not changes(stored_key(args.out, name), keys[name])}
+        why = {name: ([] if name in done else reasons) for name, reasons in why.items()}
+        sections = []
+        for folder, (title, _) in STUDIES.items():
+            saved = args.out / folder / "headline.json"
+            if saved.exists():
+                sections.append((folder, title, json.loads(saved.read_text()) | {"stale": why[folder]}))
+        meta = provenance() | {"quick": args.quick, "seconds": round(time.perf_counter() - start, 1),
+                               "studies": sorted(set(todo) & done)}
+        (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        path = write_report(args.out, sections, meta)
+    if not args.quiet:
+        print(summary(names, ran, why, args.out))
+        print(f"wrote {path} ({meta['seconds']:.0f} s; {len(ran)} of {len(STUDIES)} studies run now)")
+    return {"report": path, "sections": sections, "meta": meta, "ran": sorted(ran)}
 
 
 if __name__ == "__main__":

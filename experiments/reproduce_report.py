@@ -5,24 +5,21 @@ Its parts: what the paper did that this project has not ("Not reproduced yet", o
 artifact with what stands in for it and why); every number the studies chose or fitted rather than
 took from the paper, with how much the results move when it changes ("Chosen and fitted numbers");
 then one table per study, every paper table and figure with the paper's value, ours and how ours was
-obtained, and for a study not rerun the revision it was made at and how many commits have changed
-the code since.
+obtained, each marked current or stale by its key (`experiments.study_key`: whether the code it
+imports, its arguments or the machine changed since it ran).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pandas as pd
 
 from experiments import paper_values
-from experiments.provenance import ROOT
+from experiments.paper_values import NOT_AN_ERROR
 
-NOT_AN_ERROR = "none: the paper gives no number (a measurement, not an error)"
-"""The ``error`` cell of a headline row that reports a measurement the paper has no number for."""
 
 def _cell(value) -> str:
     return str(value).replace("|", "/")
@@ -213,17 +210,6 @@ def _details(out: Path, folder: str) -> str:
     return f"{folder}/REPORT.md"
 
 
-def _commits_since(revision: str) -> int | None:
-    """Commits to the code (zero_ref/, experiments/, triton_kernels/) after ``revision`` up to HEAD."""
-    revision = revision.split("+")[0]
-    try:
-        done = subprocess.run(["git", "rev-list", "--count", f"{revision}..HEAD", "--", "zero_ref", "experiments",
-                               "triton_kernels"], cwd=ROOT, capture_output=True, text=True, check=True)
-        return int(done.stdout.strip())
-    except (OSError, ValueError, subprocess.CalledProcessError):
-        return None
-
-
 def _present(folder: str, row: dict) -> dict:
     """Rows saved before the kernels' "error" column stopped holding a fraction of copy bandwidth
     (a measurement, not an error) are shown as the new rows are."""
@@ -256,14 +242,9 @@ def write_report(out: Path, sections: list[tuple[str, str, dict]], meta: dict) -
         lines.append("| " + " | ".join(_cell(row[k]) for k in ("artifact", "paper", "instead", "why")) + " |")
     lines += [""] + chosen_numbers(out, sections)
     for folder, title, result in sections:
-        earlier = result.get("earlier")
-        note = ""
-        if earlier:
-            since = _commits_since(earlier["git_revision"])
-            note = (f" From an earlier run (`{earlier['command']}` at git `{earlier['git_revision']}` on "
-                    f"{earlier['date_utc']}), not rerun this time"
-                    + (f"; the code has changed in {since} commit(s) since, so these rows may not describe this "
-                       "revision." if since else "."))
+        made = f"`{result['command']}` at git `{result['git_revision']}` on {result['date_utc']}"
+        note = (f" **Stale**: made by {made}; since then {'; '.join(result['stale'])}." if result.get("stale")
+                else f" Current: made by {made}, and nothing it depends on has changed since.")
         link = _details(out, folder)
         lines += [f"## {title}", "", f"Details: [{link}]({link}).{note}", "",
                   "| paper table / figure | paper | ours | error | how ours was obtained |", "|---|---|---|---|---|"]

@@ -1,0 +1,186 @@
+"""What a study's results depend on, as one key: `zero-ref reproduce` reruns a study only when it changed.
+
+A study's key has three parts:
+
+- ``files``: the SHA-256 of every project file the study's module can reach. The reach is read
+  from the source, not from a running interpreter: every ``import`` and ``from ... import`` anywhere
+  in a file (inside functions too), every string that names a project module (``python -m
+  zero_ref.analysis.at_scale`` run in a subprocess), followed through ``zero_ref/``, ``experiments/``
+  and ``triton_kernels/``, plus the data each module is known to read (``DATA``) and the results of
+  other studies it reads (``READS``).
+- ``args``: how reproduce ran it (``quick``).
+- ``env``: what ran it: torch's version, the GPU's name or "cpu", the number of CPU cores.
+
+``digest`` hashes the three, and each study's ``headline.json`` stores its key, so comparing the
+stored key with ``study_key`` says whether the results describe this tree, and ``changes`` says
+why not (which files, which argument, which part of the environment).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import re
+from functools import lru_cache
+from pathlib import Path
+
+from experiments.provenance import ROOT
+
+PACKAGES = ("zero_ref", "experiments", "triton_kernels")
+"""Top-level packages whose files are part of a key; imports of anything else (torch, pandas) are not."""
+
+DATA = {
+    "experiments/paper_values.py": ("experiments/paper_data",),
+    "experiments/bench.py": ("benchmarks",),   # runs pytest on benchmarks/
+}
+"""module -> folders (or files) it reads besides code, hashed into the key of every study that reaches it."""
+
+READS = {"scaling_curves": ("benchmarks",), "gpu": ("throughput",)}
+"""study -> the studies whose results it reads: their stored keys and run dates enter its key, so a
+rerun of one marks the other stale."""
+
+_MODULE_NAME = re.compile(r"(?:%s)(?:\.\w+)+" % "|".join(PACKAGES))
+
+
+def _module_file(name: str) -> Path | None:
+    """The file of project module ``name`` (a package's ``__init__.py``), or None outside the project."""
+    if name.split(".")[0] not in PACKAGES:
+        return None
+    base = ROOT.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imported_names(path: Path) -> frozenset[str]:
+    stat = path.stat()
+    return _names_in(path, (stat.st_size, stat.st_mtime_ns))
+
+
+@lru_cache(maxsize=None)
+def _names_in(path: Path, stamp: tuple[int, int]) -> frozenset[str]:
+    """Every module name ``path`` may import: its import statements (resolved when relative, with
+    ``from a import b`` giving both ``a`` and ``a.b``) and the module names in its strings."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    prose = {id(node.value) for node in ast.walk(tree)   # docstrings and bare strings name modules, not run them
+             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            names.update(_MODULE_NAME.findall(node.value))
+    return frozenset(names)
+
+
+def _parents(name: str) -> list[str]:
+    """``a.b.c`` -> ``a``, ``a.b``: importing a module runs its packages' ``__init__`` first."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def reach(module: str) -> list[Path]:
+    """The project files ``module`` can import, itself first, then sorted by path."""
+    start = _module_file(module)
+    if start is None:
+        raise ValueError(f"{module!r} is not a module of {', '.join(PACKAGES)}")
+    seen, todo = {start}, [start]
+    while todo:
+        path = todo.pop()
+        for name in _imported_names(path):
+            for candidate in (*_parents(name), name):
+                found = _module_file(candidate)
+                if found is not None and found not in seen:
+                    seen.add(found)
+                    todo.append(found)
+    return [start, *sorted(seen - {start})]
+
+
+def _data_files(relative: str) -> list[Path]:
+    path = ROOT / relative
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+
+@lru_cache(maxsize=None)
+def _sha256(path: Path, stamp: tuple[int, int]) -> str:
+    """The file's hash, cached by (size, mtime) so that one reproduce hashes each file once."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def file_hashes(module: str) -> dict[str, str]:
+    """``{relative path: hash}`` of every file ``module`` reaches, its data included."""
+    files = reach(module)
+    for path in list(files):
+        files += [data for folder in DATA.get(path.relative_to(ROOT).as_posix(), ()) for data in _data_files(folder)]
+    out = {}
+    for path in files:
+        stat = path.stat()
+        out[path.relative_to(ROOT).as_posix()] = _sha256(path, (stat.st_size, stat.st_mtime_ns))
+    return dict(sorted(out.items()))
+
+
+def environment() -> dict:
+    """What ran a study, as far as its numbers depend on it: torch, the device, the CPU cores."""
+    import platform
+
+    import torch
+
+    return {"torch": torch.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "cores": os.cpu_count()}
+
+
+def stored_key(out: Path, study: str) -> dict | None:
+    """The key saved in ``out/study/headline.json`` by the run that made it (None: no run, or one
+    made before keys existed)."""
+    path = out / study / "headline.json"
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()).get("key")
+
+
+def study_key(study: str, module: str, quick: bool, out: Path, env: dict | None = None) -> dict:
+    """The key ``study`` (run by ``module``) would have if it ran now with ``quick`` into ``out``."""
+    inputs = {}
+    for other in READS.get(study, ()):
+        path = out / other / "headline.json"
+        record = json.loads(path.read_text()) if path.exists() else {}
+        inputs[other] = {"digest": (record.get("key") or {}).get("digest"), "date_utc": record.get("date_utc")}
+    key = {"files": file_hashes(module), "args": {"quick": quick}, "env": env or environment(), "reads": inputs}
+    key["digest"] = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return key
+
+
+def changes(stored: dict | None, current: dict) -> list[str]:
+    """Why results made under ``stored`` do not describe ``current``: one phrase per difference,
+    an empty list when the digests match."""
+    if stored is None:
+        return ["no key stored (made before reproduce kept keys, or never run)"]
+    if stored.get("digest") == current["digest"]:
+        return []
+    why = []
+    old, new = stored.get("files", {}), current["files"]
+    edited = sorted(f for f in new if f in old and old[f] != new[f])
+    added, removed = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+    for label, files in (("changed", edited), ("now imported", added), ("no longer imported", removed)):
+        if files:
+            shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            why.append(f"{label}: {shown}")
+    for part in ("args", "env", "reads"):
+        if stored.get(part) != current[part]:
+            diff = {k: v for k, v in current[part].items() if stored.get(part, {}).get(k) != v}
+            why.append(f"{part}: " + ", ".join(f"{k}={v if part != 'reads' else 'rerun'}" for k, v in diff.items()))
+    return why or ["key differs"]

@@ -1,0 +1,87 @@
+"""`zero-ref reproduce` is incremental: a study reruns only when its key (the code it imports, its
+arguments, the machine) changed, and REPORT.md marks a study stale by that fact.
+
+The end-to-end test reads keys from a copy of the project, so that it can edit a study's code the
+way a developer does, and runs two fast studies (activations: analysis; gpu: a summary).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from experiments import study_key
+from experiments.provenance import ROOT
+
+FAST = ["activations", "gpu"]
+
+
+def test_reach_follows_imports_strings_and_data():
+    """A study's files: its module, what it imports (inside functions too), modules named in code
+    strings (run with -m), packages' __init__ files and the data a module reads; not docstrings."""
+    files = study_key.file_hashes("experiments.memory_study")
+    assert "zero_ref/analysis/at_scale.py" in files              # `python -m zero_ref.analysis.at_scale`
+    assert "experiments/paper_data/table1_memory.csv" in files   # read by paper_values
+    assert {"experiments/__init__.py", "zero_ref/__init__.py", "zero_ref/core/stage3.py"} <= set(files)
+    assert "experiments/peers.py" not in files and "experiments/throughput.py" not in files
+    assert any(name.startswith("benchmarks/") for name in study_key.file_hashes("experiments.bench"))
+    with pytest.raises(ValueError, match="not a module of zero_ref"):
+        study_key.reach("numpy.linalg")
+
+
+def test_changes_name_what_differs():
+    env = {"torch": "2.13.0", "device": "cpu", "cores": 2}
+    key = study_key.study_key("activations", "experiments.activation_study", True, ROOT / "results", env)
+    assert study_key.changes(key, key) == []
+    assert "no key stored" in study_key.changes(None, key)[0]
+    edited = json.loads(json.dumps(key))
+    edited["files"]["experiments/activation_study.py"] = "0" * 16
+    edited["digest"] = "x"
+    assert study_key.changes(edited, key) == ["changed: experiments/activation_study.py"]
+    other = study_key.study_key("activations", "experiments.activation_study", False, ROOT / "results",
+                                env | {"device": "NVIDIA H200"})
+    assert study_key.changes(key, other) == ["args: quick=False", "env: device=NVIDIA H200"]
+
+
+def _copy_project(tmp: Path) -> Path:
+    """The project's code (no results, no git) under ``tmp``."""
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for folder in ("zero_ref", "experiments", "triton_kernels", "benchmarks"):
+        shutil.copytree(ROOT / folder, tmp / folder, ignore=skip)
+    return tmp
+
+
+def test_rerun_skips_current_studies_and_reruns_a_touched_one(tmp_path, monkeypatch, capsys):
+    """Keys are read from a copy of the project (where this test edits code as a developer does);
+    the studies themselves run from the installed project, in their own processes."""
+    from experiments import reproduce
+
+    tree = _copy_project(tmp_path / "project")
+    monkeypatch.setattr(study_key, "ROOT", tree)
+    out = tmp_path / "results"
+    args = ["--quick", "--out", str(out), "--only", *FAST]
+
+    first = reproduce.main(args)
+    assert first["ran"] == sorted(FAST) and (out / ".logs" / "activations.log").exists()
+    start = time.perf_counter()
+    second = reproduce.main(args)
+    seconds = time.perf_counter() - start
+    assert second["ran"] == [] and seconds < 30, seconds
+    assert "current (not rerun)" in capsys.readouterr().out
+
+    for name in ("activation_study.py", "markdown.py"):   # gpu_report imports markdown too
+        path = tree / "experiments" / name
+        path.write_text(path.read_text() + "\n# touched\n")
+    third = reproduce.main([*args, "--only", "activations"])   # gpu not considered: kept, marked stale
+    assert third["ran"] == ["activations"]
+    report = (out / "REPORT.md").read_text()
+    gpu = report[report.index("## GPU checks"):]
+    assert "**Stale**" in gpu and "changed: experiments/markdown.py" in gpu
+    activations = report[report.index("## Activation memory"):report.index("## GPU checks")]
+    assert "Current: made by" in activations and "Stale" not in activations
+    forced = reproduce.main([*args, "--only", "activations", "--force"])
+    assert forced["ran"] == ["activations"]
