@@ -237,7 +237,8 @@ def write_report(out: Path, table1: pd.DataFrame, fig1: pd.DataFrame, bench: dic
         "the paper truncates some cells). Engine = analysis up to padding in "
         f"{int(table1.within_padding.sum())} of {len(table1)} cells (largest padding "
         f"{int(table1.padding_bytes.max()):,} bytes); MemTracker's live bytes = the engine's report in "
-        f"{int(table1.tracker_equals_engine.sum())} of {len(table1)}. Shapes (exactly Ψ parameters): "
+        f"{int(table1.tracker_equals_engine.eq(True).sum())} of {int(table1.tracker_equals_engine.notna().sum())} "
+        "cells tracked. Shapes (exactly Ψ parameters): "
         + ", ".join(f"{m} = {s}" for m, s in table1.groupby("model", sort=False)["shape"].first().items()) + ".", "",
         "| model | Nd | Pos paper | Pos ours | Pos+g paper | Pos+g ours | Pos+g+p paper | Pos+g+p ours |",
         "|---|---|---|---|---|---|---|---|",

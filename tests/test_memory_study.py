@@ -160,7 +160,8 @@ def test_table1_all_54_cells(quick):
     assert len(table) == 54
     assert ((table.engine_gb - table.paper_gb).abs() <= 1.0).all()
     assert ((table.formula_gb - table.paper_gb).abs() <= 1.0).all()
-    assert table.within_padding.all() and table.tracker_equals_engine.all()
+    tracked = table[table.tracker_equals_engine.notna()]
+    assert table.within_padding.all() and set(tracked.nd) >= {64} and tracked.tracker_equals_engine.astype(bool).all()
     assert (table.engine_gb * mm.GB - table.analysis_gb * mm.GB <= table.padding_bound_bytes).all()
 
 
