@@ -1,18 +1,15 @@
 """`zero-ref reproduce`: run the paper's studies whose inputs changed, write results/ and REPORT.md.
 
-A study is a module under experiments/ (``STUDIES`` names it; experiments/README.md maps each paper
-artifact to it) whose ``run_study(out, quick, quiet) -> {"headline": rows, "meta": {...}}`` writes
-its CSVs, plots and own REPORT.md under ``results/<study>/`` and returns one row per paper claim it
-checks: ``item``, ``paper`` (the paper's value), ``ours``, ``error`` and ``how`` (analysis / engine
-at scale / search / real run / performance model).
+The studies are `experiments.studies.STUDIES` (experiments/README.md maps each paper artifact to
+its study); each writes ``results/<study>/`` and returns its headline rows.
 
 The job is incremental: each study's ``headline.json`` stores its key (`experiments.study_key`: the
 hash of every project file it imports, its arguments and the machine), and a study runs only when
 its key now differs (``--force``: always). Each runs in a fresh process of its own, its output in
 ``results/.logs/<study>.log``, while one progress line shows the whole job (``--jobs N``: the
-untimed studies N at a time; the timed ones always alone, afterwards). At the end
-`experiments.reproduce_report` writes ``results/REPORT.md`` from every study's current rows, each
-marked current or stale, and a summary table is printed.
+untimed studies N at a time, longest first; the timed ones always alone, afterwards). At the end
+`experiments.pages` writes ``results/REPORT.md`` from every study's rows, each marked current or
+stale, and renders the pages that quote results (README.md, docs/); a summary table is printed.
 
     python -m experiments.reproduce            # every study whose key changed
     python -m experiments.reproduce --force    # every study
@@ -41,45 +38,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from experiments.provenance import ROOT, provenance
-from experiments.reproduce_report import write_report
+from experiments.pages import render_pages
+from experiments.studies import FULL_ONLY, STUDIES, TIMED
 from experiments.study_key import changes, environment, stored_key, study_key
-
-STUDIES = {
-    "memory": ("Memory and model size: Table 1, Figure 1, Table 2, Sec 10.4 (Fig 4's sizes)", "experiments.memory_study"),
-    "activations": ("Activation memory: Sec 3.2, 4.2.1 and 6.1's numbers beside the analysis, every mismatch",
-                    "experiments.activation_study"),
-    "comm_volume": ("Elements moved per step by stage and world size (Sec 7), counted by wrapping "
-                    "torch.distributed's collectives in real gloo runs", "experiments.comm_volume_study"),
-    "walkthrough": ("The walkthrough's timelines: one traced step per stage (gathers, reductions, frees, bytes "
-                    "alive) beside the formulas; docs/", "experiments.timeline_report"),
-    "convergence": ("Convergence on real text: stages 0-3 against DDP on the Python standard library's source, "
-                    "fp32 and bf16, with parameter groups and a warmup + cosine schedule", "experiments.convergence"),
-    "zero_r": ("ZeRO-R: partitioned activation checkpoints (Pa, Pa+cpu), Sec 6.1 and Sec 8", "experiments.zero_r_study"),
-    "fragmentation": ("Fragmentation measured (MD): Table 2, Fig 4 and Fig 6 searched again, Fig 7",
-                      "experiments.fragmentation_study"),
-    "throughput": ("Throughput: the performance model checked on timed runs, superlinear scaling at our scale, "
-                   "Figs 2, 3, 4, 8 projected to the paper's V100s", "experiments.throughput_report"),
-    "bench_step": ("Step time of every stage against DDP (project targets; the elements each stage moves are "
-                   "counted in comm_volume)", "experiments.bench_step"),
-    "kernels": ("Fused optimizer-step kernels (Triton rows need CUDA)", "experiments.bench_kernels"),
-    "benchmarks": ("The scaling regression suite: every stage against DDP at Nd 1, 2, 4 for three GPT-2 sizes, "
-                   "gated against the committed baseline", "experiments.bench"),
-    "scaling_curves": ("Scaling curves: bytes and elements per rank against Nd (1-1024) and Ψ beside the paper's "
-                       "formulas, step time against Nd", "experiments.scaling_curves"),
-    "peers": ("Peers side by side: DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed ZeRO 1-3 and zero-ref 0-3 on one "
-              "model, seed and data stream", "experiments.peers"),
-    "gpu": ("GPU checks as recorded on a lent CUDA machine (experiments/gpu_check.sh; summarised here, run there)",
-            "experiments.gpu_report"),
-}
-"""study folder -> (what it reproduces, the module whose ``run_study`` runs it; imported only when it runs)."""
-FULL_ONLY = {"bench_step", "kernels", "throughput", "benchmarks", "peers"}
-"""Benchmarks that take minutes: skipped by --quick."""
-
-
-TIMED = FULL_ONLY | {"scaling_curves", "walkthrough"}
-"""Studies whose results include wall-clock times (or, for the walkthrough, what overlaps what):
-they run one at a time with nothing beside them, after the others, whatever ``--jobs`` says."""
-
 
 def _run_study(folder: str, out: Path, quick: bool, key: dict, log: Path) -> dict:
     """Run one study into ``out/folder`` in this process, its output (this process's and its
@@ -159,7 +120,10 @@ def run_studies(names: list[str], out: Path, quick: bool, quiet: bool, jobs: int
     ran: dict[str, dict] = {}
     context = multiprocessing.get_context("spawn")
     try:
-        for batch, width in (([n for n in names if n not in TIMED], jobs), ([n for n in names if n in TIMED], 1)):
+        untimed = [n for n in names if n not in TIMED]
+        if jobs > 1 and all(estimates[n] is not None for n in untimed):   # longest first: the pool ends sooner
+            untimed.sort(key=lambda n: -estimates[n])
+        for batch, width in ((untimed, jobs), ([n for n in names if n in TIMED], 1)):
             if not batch:
                 continue
             with ProcessPoolExecutor(min(width, len(batch)), mp_context=context, max_tasks_per_child=1) as pool:
@@ -257,21 +221,17 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         ran = run_studies(todo, args.out, args.quick, args.quiet, args.jobs, keys) if todo else {}
     finally:   # what finished is kept, in REPORT.md too, even when a study failed
-        done = {name for name in STUDIES if not changes(stored_key(args.out, name), keys[name])}
-        why = {name: ([] if name in done else reasons) for name, reasons in why.items()}
-        sections = []
-        for folder, (title, _) in STUDIES.items():
-            saved = args.out / folder / "headline.json"
-            if saved.exists():
-                sections.append((folder, title, json.loads(saved.read_text()) | {"stale": why[folder]}))
+        why = {name: changes(stored_key(args.out, name), keys[name]) for name in STUDIES}
         meta = provenance() | {"quick": args.quick, "seconds": round(time.perf_counter() - start, 1),
-                               "studies": sorted(set(todo) & done)}
+                               "studies": sorted(name for name in todo if not why[name])}
         (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        path = write_report(args.out, sections, meta)
+        if not args.quick and sorted(meta["studies"]) == sorted(STUDIES):   # the README quotes its time
+            (args.out / "full_run.json").write_text(json.dumps(meta, indent=2) + "\n")
+        path = render_pages(args.out)
     if not args.quiet:
         print(summary(names, ran, why, args.out))
         print(f"wrote {path} ({meta['seconds']:.0f} s; {len(ran)} of {len(STUDIES)} studies run now)")
-    return {"report": path, "sections": sections, "meta": meta, "ran": sorted(ran)}
+    return {"report": path, "meta": meta, "ran": sorted(ran)}
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ A study's key has three parts:
 - ``args``: how reproduce ran it (``quick``).
 - ``env``: what ran it: torch's version, the GPU's name or "cpu", the number of CPU cores.
 
-``digest`` hashes the three, and each study's ``headline.json`` stores its key, so comparing the
-stored key with ``study_key`` says whether the results describe this tree, and ``changes`` says
-why not (which files, which argument, which part of the environment).
+``digest`` hashes them, and each study's ``headline.json`` stores its key; ``changes`` compares a
+stored key with ``study_key`` now and says what differs (which files, which argument, which part of
+the environment): reproduce reruns a study when anything does.
 """
 
 from __future__ import annotations
@@ -164,23 +164,23 @@ def study_key(study: str, module: str, quick: bool, out: Path, env: dict | None 
     return key
 
 
-def changes(stored: dict | None, current: dict) -> list[str]:
-    """Why results made under ``stored`` do not describe ``current``: one phrase per difference,
-    an empty list when the digests match."""
+def changes(stored: dict | None, current: dict, parts: tuple[str, ...] = ("files", "args", "env", "reads")) -> list[str]:
+    """Why results made under ``stored`` do not describe ``current``, one phrase per difference in
+    ``parts`` (REPORT.md leaves out "env": a study made on another machine is not stale, it is
+    that machine's); an empty list when they agree."""
     if stored is None:
         return ["no key stored (made before reproduce kept keys, or never run)"]
-    if stored.get("digest") == current["digest"]:
-        return []
     why = []
-    old, new = stored.get("files", {}), current["files"]
-    edited = sorted(f for f in new if f in old and old[f] != new[f])
-    added, removed = sorted(set(new) - set(old)), sorted(set(old) - set(new))
-    for label, files in (("changed", edited), ("now imported", added), ("no longer imported", removed)):
-        if files:
-            shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-            why.append(f"{label}: {shown}")
+    if "files" in parts:
+        old, new = stored.get("files", {}), current["files"]
+        edited = sorted(f for f in new if f in old and old[f] != new[f])
+        added, removed = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+        for label, files in (("changed", edited), ("now imported", added), ("no longer imported", removed)):
+            if files:
+                shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+                why.append(f"{label}: {shown}")
     for part in ("args", "env", "reads"):
-        if stored.get(part) != current[part]:
+        if part in parts and stored.get(part) != current[part]:
             diff = {k: v for k, v in current[part].items() if stored.get(part, {}).get(k) != v}
             why.append(f"{part}: " + ", ".join(f"{k}={v if part != 'reads' else 'rerun'}" for k, v in diff.items()))
-    return why or ["key differs"]
+    return why

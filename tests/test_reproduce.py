@@ -79,9 +79,8 @@ def test_rerun_skips_current_studies_and_reruns_a_touched_one(tmp_path, monkeypa
     third = reproduce.main([*args, "--only", "activations"])   # gpu not considered: kept, marked stale
     assert third["ran"] == ["activations"]
     report = (out / "REPORT.md").read_text()
-    gpu = report[report.index("## GPU checks"):]
-    assert "**Stale**" in gpu and "changed: experiments/markdown.py" in gpu
-    activations = report[report.index("## Activation memory"):report.index("## GPU checks")]
-    assert "Current: made by" in activations and "Stale" not in activations
+    studies = {line.split("]")[0].lstrip("| ["): line for line in report.splitlines() if line.startswith("| [")}
+    assert "stale (changed: experiments/markdown.py" in studies["gpu"]
+    assert "current (" in studies["activations"]
     forced = reproduce.main([*args, "--only", "activations", "--force"])
     assert forced["ran"] == ["activations"]
