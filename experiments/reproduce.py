@@ -40,7 +40,7 @@ from tqdm import tqdm
 from experiments.provenance import ROOT, provenance
 from experiments.pages import render_pages
 from experiments.studies import FULL_ONLY, STUDIES, TIMED
-from experiments.study_key import changes, environment, stored_key, study_key
+from experiments.study_key import READS, changes, environment, stored_key, study_key
 
 def _run_study(folder: str, out: Path, quick: bool, key: dict, log: Path) -> dict:
     """Run one study into ``out/folder`` in this process, its output (this process's and its
@@ -110,7 +110,8 @@ class _Display:
 def run_studies(names: list[str], out: Path, quick: bool, quiet: bool, jobs: int = 1,
                 keys: dict[str, dict] | None = None) -> dict[str, dict]:
     """Run the named studies, each in a fresh process of its own (its output in ``out/.logs/``):
-    the untimed ones ``jobs`` at a time, then the timed ones one by one. The first failure stops
+    the untimed ones ``jobs`` at a time, then one by one, in ``STUDIES`` order, the timed ones and
+    those that read another study's results. The first failure stops
     what has not started and is raised, naming the study and its log, once the running studies
     have finished (their results are kept)."""
     keys = keys or {name: study_key(name, STUDIES[name][1], quick, out) for name in names}
@@ -120,10 +121,12 @@ def run_studies(names: list[str], out: Path, quick: bool, quiet: bool, jobs: int
     ran: dict[str, dict] = {}
     context = multiprocessing.get_context("spawn")
     try:
-        untimed = [n for n in names if n not in TIMED]
+        after = {n for n in names if set(READS.get(n, ())) & set(names)}   # reads a study run now: after it
+        untimed = [n for n in names if n not in TIMED and n not in after]
         if jobs > 1 and all(estimates[n] is not None for n in untimed):   # longest first: the pool ends sooner
             untimed.sort(key=lambda n: -estimates[n])
-        for batch, width in ((untimed, jobs), ([n for n in names if n in TIMED], 1)):
+        alone = sorted((n for n in names if n in TIMED or n in after), key=list(STUDIES).index)
+        for batch, width in ((untimed, jobs), (alone, 1)):
             if not batch:
                 continue
             with ProcessPoolExecutor(min(width, len(batch)), mp_context=context, max_tasks_per_child=1) as pool:

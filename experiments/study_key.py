@@ -37,9 +37,9 @@ DATA = {
 }
 """module -> folders (or files) it reads besides code, hashed into the key of every study that reaches it."""
 
-READS = {"scaling_curves": ("benchmarks",), "gpu": ("throughput",)}
+READS = {"scaling_curves": ("benchmarks",), "gpu": ("throughput",), "memory_gap": ("fragmentation",)}
 """study -> the studies whose results it reads: their stored keys and run dates enter its key, so a
-rerun of one marks the other stale."""
+rerun of one marks the other stale, and reproduce runs it after them."""
 
 _MODULE_NAME = re.compile(r"(?:%s)(?:\.\w+)+" % "|".join(PACKAGES))
 
