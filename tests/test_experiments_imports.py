@@ -3,7 +3,7 @@ points at files that exist.
 
 Read with `ast`, nothing is imported: every `import` and `from ... import` at any depth (inside
 functions too) is an edge, and so is a string constant that names an experiments module
-("experiments.memory_study"), which is how reproduce.STUDIES imports a study when it runs.
+("experiments.memory_study"), which is how studies.STUDIES imports a study when it runs.
 """
 
 from __future__ import annotations
@@ -116,8 +116,8 @@ def test_zero_ref_never_imports_the_experiments():
 
 
 def _studies() -> dict[str, tuple[str, str]]:
-    """reproduce.STUDIES, read from the source: folder -> (title, module)."""
-    tree = ast.parse((EXPERIMENTS / "reproduce.py").read_text(encoding="utf-8"))
+    """studies.STUDIES, read from the source: folder -> (title, module)."""
+    tree = ast.parse((EXPERIMENTS / "studies.py").read_text(encoding="utf-8"))
     node = next(n for n in tree.body if isinstance(n, ast.Assign) and any(
         isinstance(t, ast.Name) and t.id == "STUDIES" for t in n.targets))
     return ast.literal_eval(node.value)

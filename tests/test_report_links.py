@@ -16,6 +16,7 @@ from urllib.parse import unquote
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("results", "docs", "experiments")
 
+TEMPLATES = ROOT / "experiments" / "pages"
 _FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 _CODE = re.compile(r"`[^`\n]*`")
 _INLINE = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -24,14 +25,17 @@ _HTML = re.compile(r"""(?:href|src)\s*=\s*["']([^"']+)["']""", re.I)
 
 
 def markdown_files() -> list[Path]:
-    """The committed markdown files of README.md and the checked folders (a glob outside git)."""
+    """The committed markdown files of README.md and the checked folders (a glob outside git), less
+    the page templates of experiments/pages/: their links are relative to the page they render,
+    which is checked instead."""
     try:
         listed = subprocess.run(["git", "ls-files", "--", "README.md", *(f"{d}/*.md" for d in FOLDERS)],
                                 cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-        return [ROOT / name for name in listed if (ROOT / name).exists()]
+        found = [ROOT / name for name in listed if (ROOT / name).exists()]
     except (OSError, subprocess.CalledProcessError):
         found = [ROOT / "README.md"] if (ROOT / "README.md").exists() else []
-        return found + [p for d in FOLDERS for p in sorted((ROOT / d).rglob("*.md"))]
+        found += [p for d in FOLDERS for p in sorted((ROOT / d).rglob("*.md"))]
+    return [p for p in found if TEMPLATES not in p.parents]
 
 
 def relative_links(text: str) -> list[str]:
