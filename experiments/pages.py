@@ -72,20 +72,23 @@ def _zero_r(results: Path) -> dict:
 
 
 def _times(results: Path) -> dict:
-    """How long the two README commands take: the last run of every study (results/full_run.json,
-    written by reproduce) and the suite (results/suite, written by experiments/suite_time.py)."""
-    run = {}
-    for name in ("full_run.json", "meta.json"):   # meta.json: when the last run was a full one
-        path = results / name
-        record = json.loads(path.read_text()) if path.exists() else {}
-        if not record.get("quick", True) and set(record.get("studies", ())) >= set(STUDIES):
-            run = record
-            break
+    """How long the two README commands take: the reproduce run that ran the most studies
+    (results/runs.jsonl, every run of reproduce) and the suite (results/suite, written by
+    experiments/suite_time.py)."""
+    log = results / "runs.jsonl"
+    runs = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    full = [run for run in runs if not run.get("quick", True)]
+    largest = max(full, key=lambda run: (len(run["studies"]), run["date_utc"])) if full else None
     suite = results / "suite" / "suite_time.csv"
     tiers = pd.read_csv(suite).set_index("tier").seconds.to_dict() if suite.exists() else {}
     minutes = lambda s: f"about {s / 60:.0f} minutes" if s is not None else "time not yet measured"
-    return {"reproduce": minutes(run.get("seconds")) + (f" as `{run['command']}`" if run else ""),
-            "suite": minutes(tiers.get("all")), "fast": minutes(tiers.get("fast"))}
+    reproduce = minutes(None)
+    if largest:
+        count = len(largest["studies"])
+        reproduce = (minutes(largest["seconds"]) + f" for {count} studies"
+                     + (f" (of the {len(STUDIES)} there are now)" if count < len(STUDIES) else "")
+                     + f" as `{largest['command']}`")
+    return {"reproduce": reproduce, "suite": minutes(tiers.get("all")), "fast": minutes(tiers.get("fast"))}
 
 
 def values(results: Path) -> dict:

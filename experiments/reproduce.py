@@ -180,6 +180,17 @@ def plan(names: list[str], out: Path, quick: bool, force: bool) -> tuple[list[st
     return [name for name in names if force or why[name]], keys, why
 
 
+def log_run(out: Path, meta: dict) -> None:
+    """Append ``meta`` (one run of reproduce: its command, revision, machine, date, the studies it
+    ran and its seconds) to ``out``/runs.jsonl, once: every run is kept there, none replaced."""
+    log = out / "runs.jsonl"
+    runs = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    if not any(run.get("date_utc") == meta.get("date_utc") and run.get("command") == meta.get("command")
+               for run in runs):
+        with open(log, "a") as handle:
+            handle.write(json.dumps(meta) + "\n")
+
+
 def summary(names: list[str], ran: dict, why: dict[str, list[str]], out: Path) -> str:
     """The table printed at the end: each study, what this run did with it, its time."""
     rows = []
@@ -221,15 +232,16 @@ def main(argv: list[str] | None = None) -> dict:
     names = args.only or [name for name in STUDIES if not (args.quick and name in FULL_ONLY)]
     todo, keys, why = plan(names, args.out, args.quick, args.force)
     args.out.mkdir(parents=True, exist_ok=True)
+    if (args.out / "meta.json").exists():   # a run made before the log was kept
+        log_run(args.out, json.loads((args.out / "meta.json").read_text()))
     try:
         ran = run_studies(todo, args.out, args.quick, args.quiet, args.jobs, keys) if todo else {}
     finally:   # what finished is kept, in REPORT.md too, even when a study failed
         why = {name: changes(stored_key(args.out, name), keys[name]) for name in STUDIES}
         meta = provenance() | {"quick": args.quick, "seconds": round(time.perf_counter() - start, 1),
-                               "studies": sorted(name for name in todo if not why[name])}
+                               "studies": sorted(name for name in todo if not why[name]), "registry": list(STUDIES)}
         (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if not args.quick and sorted(meta["studies"]) == sorted(STUDIES):   # the README quotes its time
-            (args.out / "full_run.json").write_text(json.dumps(meta, indent=2) + "\n")
+        log_run(args.out, meta)
         path = render_pages(args.out)
     if not args.quiet:
         print(summary(names, ran, why, args.out))
