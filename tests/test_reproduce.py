@@ -84,3 +84,5 @@ def test_rerun_skips_current_studies_and_reruns_a_touched_one(tmp_path, monkeypa
     assert "current (" in studies["activations"]
     forced = reproduce.main([*args, "--only", "activations", "--force"])
     assert forced["ran"] == ["activations"]
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]   # every run kept
+    assert [run["studies"] for run in runs] == [sorted(FAST), [], ["activations"], ["activations"]]
