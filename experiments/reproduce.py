@@ -158,7 +158,11 @@ def run_studies(names: list[str], out: Path, quick: bool, quiet: bool, jobs: int
 
 
 def _tail(log: Path, lines: int = 15) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else "(no output)"
+    """The last ``lines`` lines of a study's output, each progress bar at its last state."""
+    if not log.exists():
+        return "(no output)"
+    text = log.read_text(errors="replace").replace("\r\n", "\n")
+    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n")[-lines:])
 
 
 def _last_seconds(out: Path, name: str, key: dict) -> float | None:
