@@ -162,7 +162,8 @@ def _tail(log: Path, lines: int = 15) -> str:
     if not log.exists():
         return "(no output)"
     text = log.read_text(errors="replace").replace("\r\n", "\n")
-    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n")[-lines:])
+    last = lambda line: ([part for part in line.split("\r") if part.strip()] or [""])[-1]
+    return "\n".join(last(line) for line in text.split("\n")[-lines:])
 
 
 def _last_seconds(out: Path, name: str, key: dict) -> float | None:
