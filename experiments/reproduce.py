@@ -161,7 +161,8 @@ def _tail(log: Path, lines: int = 15) -> str:
     """The last ``lines`` lines of a study's output, each progress bar at its last state."""
     if not log.exists():
         return "(no output)"
-    text = log.read_text(errors="replace").replace("\r\n", "\n")
+    with open(log, newline="", errors="replace") as handle:   # keep the bars' carriage returns
+        text = handle.read().replace("\r\n", "\n")
     last = lambda line: ([part for part in line.split("\r") if part.strip()] or [""])[-1]
     return "\n".join(last(line) for line in text.split("\n")[-lines:])
 
