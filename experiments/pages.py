@@ -136,11 +136,13 @@ def current_keys(results: Path) -> dict[str, dict]:
     return keys
 
 
-def differing(results: Path = ROOT / "results", root: Path = ROOT) -> list[str]:
-    """The committed pages (REPORT.md included) that differ from their render from ``results``."""
+def differing(results: Path = ROOT / "results", root: Path = ROOT, keys: dict[str, dict] | None = None) -> list[str]:
+    """The committed pages (REPORT.md included) that differ from their render from ``results``
+    (``keys``: the studies' keys now, when the caller has them)."""
     pages = rendered(results)
     meta = json.loads((results / "meta.json").read_text())
-    pages["results/REPORT.md"] = report_text(results, report_sections(results, current_keys(results)), meta)
+    keys = keys or current_keys(results)
+    pages["results/REPORT.md"] = report_text(results, report_sections(results, keys), meta)
     return [path for path, text in pages.items() if not (root / path).exists() or (root / path).read_text() != text]
 
 
