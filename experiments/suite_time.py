@@ -45,10 +45,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "suite_time.csv"
     kept = pd.read_csv(path) if path.exists() else pd.DataFrame(columns=["tier"])
+    made = provenance()   # the revision the suite ran at, taken before it runs
     rows = [time_tier(tier) for tier in args.tiers]
     table = pd.concat([kept[~kept.tier.isin(args.tiers)], pd.DataFrame(rows)], ignore_index=True)
     table.to_csv(path, index=False)
-    (args.out / "meta.json").write_text(json.dumps(provenance() | {"tiers": args.tiers}, indent=2) + "\n")
+    (args.out / "meta.json").write_text(json.dumps(made | {"tiers": args.tiers}, indent=2) + "\n")
     print(table.to_string(index=False))
     if any(row["exit_status"] for row in rows):
         sys.exit(f"the suite failed: {[row['outcome'] for row in rows]}")
