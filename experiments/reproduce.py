@@ -125,7 +125,7 @@ def run_studies(names: list[str], out: Path, quick: bool, quiet: bool, jobs: int
         untimed = [n for n in names if n not in TIMED and n not in after]
         if jobs > 1 and all(estimates[n] is not None for n in untimed):   # longest first: the pool ends sooner
             untimed.sort(key=lambda n: -estimates[n])
-        alone = sorted((n for n in names if n in TIMED or n in after), key=list(STUDIES).index)
+        alone = _after_what_they_read(sorted((n for n in names if n in TIMED or n in after), key=list(STUDIES).index))
         for batch, width in ((untimed, jobs), (alone, 1)):
             if not batch:
                 continue
@@ -157,6 +157,16 @@ def run_studies(names: list[str], out: Path, quick: bool, quiet: bool, jobs: int
     return ran
 
 
+def _after_what_they_read(names: list[str]) -> list[str]:
+    """``names`` in their order, except that a study comes after every study of ``names`` it reads."""
+    ordered, left = [], list(names)
+    while left:
+        ready = next((n for n in left if not set(READS.get(n, ())) & set(left)), left[0])   # left[0]: a cycle
+        ordered.append(ready)
+        left.remove(ready)
+    return ordered
+
+
 def _tail(log: Path, lines: int = 15) -> str:
     """The last ``lines`` lines of a study's output, each progress bar at its last state."""
     if not log.exists():
@@ -183,7 +193,12 @@ def plan(names: list[str], out: Path, quick: bool, force: bool) -> tuple[list[st
     env = environment()
     keys = {name: study_key(name, module, quick, out, env) for name, (_, module) in STUDIES.items()}
     why = {name: changes(stored_key(out, name), keys[name]) for name in STUDIES}
-    return [name for name in names if force or why[name]], keys, why
+    todo = [name for name in names if force or why[name]]
+    for name in names:   # a study that reads one rerun now goes stale with it: rerun it after
+        if name not in todo and set(READS.get(name, ())) & set(todo):
+            todo.append(name)
+            why[name] = why[name] or [f"reads: {', '.join(sorted(set(READS[name]) & set(todo)))} rerun now"]
+    return todo, keys, why
 
 
 def log_run(out: Path, meta: dict) -> None:

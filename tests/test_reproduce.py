@@ -85,3 +85,18 @@ def test_rerun_skips_current_studies_and_reruns_a_touched_one(tmp_path, monkeypa
     assert reproduce.plan(["activations"], out, True, force=True)[0] == ["activations"]   # --force: current too
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]   # every run kept
     assert [run["studies"] for run in runs] == [sorted(FAST), [], ["activations"]]
+
+
+def test_a_study_that_reads_one_rerun_reruns_after_it(tmp_path):
+    """scaling_curves reads benchmarks' results: when benchmarks reruns, scaling_curves is planned
+    too, and runs after it; so do memory_gap and zero_r after fragmentation."""
+    from experiments import reproduce
+    from experiments.studies import STUDIES
+
+    key = study_key.study_key("scaling_curves", STUDIES["scaling_curves"][1], False, tmp_path)
+    (tmp_path / "scaling_curves").mkdir()
+    (tmp_path / "scaling_curves" / "headline.json").write_text(json.dumps({"headline": [], "key": key}))
+    todo, _, why = reproduce.plan(["scaling_curves", "benchmarks"], tmp_path, False, force=False)
+    assert todo == ["benchmarks", "scaling_curves"] and why["scaling_curves"] == ["reads: benchmarks rerun now"]
+    assert reproduce._after_what_they_read(["zero_r", "memory_gap", "fragmentation", "gpu", "throughput"]) == \
+        ["fragmentation", "zero_r", "memory_gap", "throughput", "gpu"]
