@@ -28,7 +28,6 @@ import importlib
 import json
 import multiprocessing
 import os
-import re
 import sys
 import threading
 import time
@@ -58,16 +57,23 @@ def _run_study(folder: str, out: Path, quick: bool, key: dict, log: Path) -> dic
     return result
 
 
+def _printed(log: Path, tail_bytes: int | None = None) -> list[str]:
+    """A study's output as lines, each progress bar at its last state (the part after its last
+    carriage return that is not blank); ``tail_bytes``: read only that much of the end."""
+    with open(log, "rb") as handle:
+        if tail_bytes is not None:
+            handle.seek(max(0, log.stat().st_size - tail_bytes))
+        text = handle.read().decode(errors="replace").replace("\r\n", "\n")
+    return [([part for part in line.split("\r") if part.strip()] or [""])[-1] for line in text.split("\n")]
+
+
 def _last_words(log: Path, width: int = 40) -> str:
     """What a running study printed last (its progress bar's latest state), cut to ``width``."""
     try:
-        with open(log, "rb") as handle:
-            handle.seek(max(0, log.stat().st_size - 2048))
-            tail = handle.read().decode(errors="replace")
+        shown = [line.strip() for line in _printed(log, 2048) if line.strip()]
     except OSError:
         return ""
-    pieces = [p.strip() for p in re.split(r"[\r\n]", tail) if p.strip()]
-    return pieces[-1][:width] if pieces else ""
+    return shown[-1][:width] if shown else ""
 
 
 class _Display:
@@ -169,12 +175,7 @@ def _after_what_they_read(names: list[str]) -> list[str]:
 
 def _tail(log: Path, lines: int = 15) -> str:
     """The last ``lines`` lines of a study's output, each progress bar at its last state."""
-    if not log.exists():
-        return "(no output)"
-    with open(log, newline="", errors="replace") as handle:   # keep the bars' carriage returns
-        text = handle.read().replace("\r\n", "\n")
-    last = lambda line: ([part for part in line.split("\r") if part.strip()] or [""])[-1]
-    return "\n".join(last(line) for line in text.split("\n")[-lines:])
+    return "\n".join(_printed(log)[-lines:]) if log.exists() else "(no output)"
 
 
 def _last_seconds(out: Path, name: str, key: dict) -> float | None:
