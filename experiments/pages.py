@@ -25,8 +25,7 @@ import pandas as pd
 
 from experiments.provenance import ROOT
 from experiments.reproduce_report import report_text, write_report
-from experiments.studies import STUDIES, report_sections
-from experiments.study_key import environment, study_key
+from experiments.studies import STUDIES, current_keys, report_sections
 
 TEMPLATES = ROOT / "experiments" / "pages"
 """The templates, one per rendered page, at the page's path relative to the project root."""
@@ -123,17 +122,6 @@ def render_pages(results: Path, root: Path = ROOT) -> Path:
         for path, text in rendered(results).items():
             (root / path).write_text(text)
     return report
-
-
-def current_keys(results: Path) -> dict[str, dict]:
-    """Each study's key now, with the arguments its stored results were made with."""
-    env, keys = environment(), {}
-    for name, (_, module) in STUDIES.items():
-        saved = results / name / "headline.json"
-        quick = (json.loads(saved.read_text()).get("key") or {}).get("args", {}).get("quick", False) \
-            if saved.exists() else False
-        keys[name] = study_key(name, module, quick, results, env)
-    return keys
 
 
 def differing(results: Path = ROOT / "results", root: Path = ROOT, keys: dict[str, dict] | None = None) -> list[str]:

@@ -38,8 +38,8 @@ from tqdm import tqdm
 
 from experiments.provenance import ROOT, provenance
 from experiments.pages import render_pages
-from experiments.studies import FULL_ONLY, STUDIES, TIMED
-from experiments.study_key import READS, changes, environment, stored_key, study_key
+from experiments.studies import FULL_ONLY, REPORTS, STUDIES, TIMED, current_keys
+from experiments.study_key import READS, changes, digest, stored_key
 
 def _run_study(folder: str, out: Path, quick: bool, key: dict, log: Path) -> dict:
     """Run one study into ``out/folder`` in this process, its output (this process's and its
@@ -51,10 +51,26 @@ def _run_study(folder: str, out: Path, quick: bool, key: dict, log: Path) -> dic
         os.dup2(sink.fileno(), 2)
         start = time.perf_counter()
         result = importlib.import_module(STUDIES[folder][1]).run_study(out / folder, quick, False)
+        if folder in REPORTS:   # its report step draws the tables the run left and gives the rows
+            result["headline"] = importlib.import_module(REPORTS[folder]).render(out / folder)
     record = {"headline": result["headline"], "seconds": round(time.perf_counter() - start, 1), "key": key,
               **provenance()}
     (out / folder / "headline.json").write_text(json.dumps(record, indent=1) + "\n")
     return result
+
+
+def redraw(folder: str, out: Path, key: dict) -> list[dict]:
+    """Run ``folder``'s report step alone on the tables its last run left (its measurement is
+    current; only the report step's code changed), and store the report part of ``key`` beside the
+    measured parts the run stored, with when it was redrawn."""
+    rows = importlib.import_module(REPORTS[folder]).render(out / folder)
+    path = out / folder / "headline.json"
+    record = json.loads(path.read_text())
+    stored = record["key"] | {"report": key["report"]}
+    record.update(headline=rows, key=stored | {"digest": digest(stored)},
+                  redrawn={k: v for k, v in provenance().items() if k != "hardware"})
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return rows
 
 
 def _printed(log: Path, tail_bytes: int | None = None) -> list[str]:
@@ -120,7 +136,7 @@ def run_studies(names: list[str], out: Path, quick: bool, quiet: bool, jobs: int
     those that read another study's results. The first failure stops
     what has not started and is raised, naming the study and its log, once the running studies
     have finished (their results are kept)."""
-    keys = keys or {name: study_key(name, STUDIES[name][1], quick, out) for name in names}
+    keys = keys or current_keys(out, quick)
     logs = {name: out / ".logs" / f"{name}.log" for name in names}
     estimates = {name: _last_seconds(out, name, keys[name]) for name in names}
     display = _Display(names, estimates, logs, quiet)
@@ -188,18 +204,20 @@ def _last_seconds(out: Path, name: str, key: dict) -> float | None:
     return record.get("seconds") if same_args else None
 
 
-def plan(names: list[str], out: Path, quick: bool, force: bool) -> tuple[list[str], dict[str, dict], dict]:
-    """Which of ``names`` to run: those whose stored key differs from their key now (all with
-    ``force``). Returns them, every study's current key, and why each stored key is stale."""
-    env = environment()
-    keys = {name: study_key(name, module, quick, out, env) for name, (_, module) in STUDIES.items()}
+def plan(names: list[str], out: Path, quick: bool, force: bool) -> tuple[list[str], dict[str, dict], dict, list[str]]:
+    """Which of ``names`` to run: those whose stored key differs from their key now in what they
+    measure (all with ``force``). Returns them, every study's current key, why each stored key is
+    stale, and the studies whose report step alone changed (redrawn from their tables, not run)."""
+    keys = current_keys(out, quick)
     why = {name: changes(stored_key(out, name), keys[name]) for name in STUDIES}
     todo = [name for name in names if force or why[name]]
     for name in names:   # a study that reads one rerun now goes stale with it: rerun it after
         if name not in todo and set(READS.get(name, ())) & set(todo):
             todo.append(name)
             why[name] = why[name] or [f"reads: {', '.join(sorted(set(READS[name]) & set(todo)))} rerun now"]
-    return todo, keys, why
+    redrawn = [name for name in names if name not in todo and name in REPORTS
+               and changes(stored_key(out, name), keys[name], parts=("report",))]
+    return todo, keys, why, redrawn
 
 
 def log_run(out: Path, meta: dict) -> None:
@@ -213,7 +231,7 @@ def log_run(out: Path, meta: dict) -> None:
             handle.write(json.dumps(meta) + "\n")
 
 
-def summary(names: list[str], ran: dict, why: dict[str, list[str]], out: Path) -> str:
+def summary(names: list[str], ran: dict, why: dict[str, list[str]], out: Path, redrawn: tuple[str, ...] = ()) -> str:
     """The table printed at the end: each study, what this run did with it, its time."""
     rows = []
     for name in STUDIES:
@@ -221,6 +239,8 @@ def summary(names: list[str], ran: dict, why: dict[str, list[str]], out: Path) -
         seconds = json.loads(path.read_text()).get("seconds") if path.exists() else None
         if name in ran:
             status = "ran"
+        elif name in redrawn:
+            status = "redrawn from its tables (its report step changed)"
         elif name not in names:
             status = "not asked" + (" (stale)" if why[name] else "")
         elif why[name]:
@@ -252,11 +272,13 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     start = time.perf_counter()
     names = args.only or [name for name in STUDIES if not (args.quick and name in FULL_ONLY)]
-    todo, keys, why = plan(names, args.out, args.quick, args.force)
+    todo, keys, why, to_redraw = plan(names, args.out, args.quick, args.force)
     args.out.mkdir(parents=True, exist_ok=True)
     if (args.out / "meta.json").exists():   # a run made before the log was kept
         log_run(args.out, json.loads((args.out / "meta.json").read_text()))
     try:
+        for name in to_redraw:
+            redraw(name, args.out, keys[name])
         ran = run_studies(todo, args.out, args.quick, args.quiet, args.jobs, keys) if todo else {}
     finally:   # what finished is kept, in REPORT.md too, even when a study failed
         why = {name: changes(stored_key(args.out, name), keys[name]) for name in STUDIES}
@@ -266,9 +288,10 @@ def main(argv: list[str] | None = None) -> dict:
         log_run(args.out, meta)
         path = render_pages(args.out)
     if not args.quiet:
-        print(summary(names, ran, why, args.out))
-        print(f"wrote {path} ({meta['seconds']:.0f} s; {len(ran)} of {len(STUDIES)} studies run now)")
-    return {"report": path, "meta": meta, "ran": sorted(ran)}
+        print(summary(names, ran, why, args.out, tuple(to_redraw)))
+        print(f"wrote {path} ({meta['seconds']:.0f} s; {len(ran)} of {len(STUDIES)} studies run now"
+              + (f", {len(to_redraw)} redrawn from their tables: {', '.join(to_redraw)}" if to_redraw else "") + ")")
+    return {"report": path, "meta": meta, "ran": sorted(ran), "redrawn": to_redraw}
 
 
 if __name__ == "__main__":

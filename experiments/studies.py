@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from experiments.study_key import changes
+from experiments.study_key import changes, environment, study_key
 
 STUDIES = {
     "memory": ("Memory and model size: Table 1, Figure 1, Table 2, Sec 10.4 (Fig 4's sizes)", "experiments.memory_study"),
@@ -30,7 +30,7 @@ STUDIES = {
     "memory_gap": ("What the paper's largest models held beyond our accounting, at the measured fragmentation: "
                    "the gap per point, a recomputed layer measured, the rest unexplained", "experiments.memory_gap"),
     "throughput": ("Throughput: the performance model checked on timed runs, superlinear scaling at our scale, "
-                   "Figs 2, 3, 4, 8 projected to the paper's V100s", "experiments.throughput_report"),
+                   "Figs 2, 3, 4, 8 projected to the paper's V100s", "experiments.throughput_study"),
     "bench_step": ("Step time of every stage against DDP (project targets; the elements each stage moves are "
                    "counted in comm_volume)", "experiments.bench_step"),
     "kernels": ("Fused optimizer-step kernels (Triton rows need CUDA)", "experiments.bench_kernels"),
@@ -48,9 +48,36 @@ FULL_ONLY = {"bench_step", "kernels", "throughput", "benchmarks", "peers"}
 """Benchmarks that take minutes: skipped by --quick."""
 
 
+REPORTS = {
+    "throughput": "experiments.throughput_report",
+    "bench_step": "experiments.bench_step_report",
+    "kernels": "experiments.kernels_report",
+    "peers": "experiments.peer_report",
+    "benchmarks": "experiments.bench_report",
+    "scaling_curves": "experiments.scaling_curves_report",
+}
+"""study -> its report step: a module whose ``render(out) -> headline rows`` draws the plots and
+writes REPORT.md from the tables a run left in ``out`` (and keeps that run in ``out/history/``,
+`experiments.run_history`). Its files form the key's "report" part, apart from what the study
+measures: a change there redraws the study from its tables instead of measuring it again."""
+
 TIMED = FULL_ONLY | {"scaling_curves", "walkthrough"}
 """Studies whose results include wall-clock times (or, for the walkthrough, what overlaps what):
 they run one at a time with nothing beside them, after the others, whatever ``--jobs`` says."""
+
+
+def current_keys(out: Path, quick: bool | None = None) -> dict[str, dict]:
+    """Every study's key now (`experiments.study_key`), with ``quick`` or, when None, with the
+    arguments its stored results were made with."""
+    env, timed_env, keys = environment(), environment(timed=True), {}
+    for name, (_, module) in STUDIES.items():
+        if quick is None:
+            saved = out / name / "headline.json"
+            stored = (json.loads(saved.read_text()).get("key") or {}) if saved.exists() else {}
+            as_run = stored.get("args", {}).get("quick", False)
+        keys[name] = study_key(name, module, as_run if quick is None else quick, out,
+                               timed_env if name in TIMED else env, REPORTS.get(name))
+    return keys
 
 
 def report_sections(out: Path, keys: dict[str, dict]) -> list[tuple[str, str, dict]]:
@@ -61,7 +88,7 @@ def report_sections(out: Path, keys: dict[str, dict]) -> list[tuple[str, str, di
         saved = out / folder / "headline.json"
         if saved.exists():
             record = json.loads(saved.read_text())
-            stale = changes(record.get("key"), keys[folder], parts=("files", "args", "reads"))
+            stale = changes(record.get("key"), keys[folder], parts=("files", "args", "reads", "report"))
             sections.append((folder, title, record | {"stale": stale}))
     return sections
 

@@ -9,7 +9,10 @@ A study's key has three parts:
   and ``triton_kernels/``, plus the data each module is known to read (``DATA``) and the results of
   other studies it reads (``READS``).
 - ``args``: how reproduce ran it (``quick``).
-- ``env``: what ran it: torch's version, the GPU's name or "cpu", the number of CPU cores.
+- ``env``: what ran it: torch's version, the GPU's name or "cpu", the number of CPU cores; for
+  a timed study also the CPU's model and its instruction sets (``cpu_speed``).
+- ``report``: for a study with a report step of its own (``studies.REPORTS``), the files that step
+  reaches; the study's ``files`` stop there. A change there alone redraws the study from its tables.
 
 ``digest`` hashes them, and each study's ``headline.json`` stores its key; ``changes`` compares a
 stored key with ``study_key`` now and says what differs (which files, which argument, which part of
@@ -91,12 +94,14 @@ def _parents(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def reach(module: str) -> list[Path]:
-    """The project files ``module`` can import, itself first, then sorted by path."""
+def reach(module: str, stop: tuple[str, ...] = ()) -> list[Path]:
+    """The project files ``module`` can import, itself first, then sorted by path; the modules in
+    ``stop`` (a study's report step) are neither included nor followed."""
     start = _module_file(module)
     if start is None:
         raise ValueError(f"{module!r} is not a module of {', '.join(PACKAGES)}")
-    seen, todo = {start}, [start]
+    stopped = {_module_file(name) for name in stop}
+    seen, todo = {start, *stopped}, [start]
     while todo:
         path = todo.pop()
         for name in _imported_names(path):
@@ -105,7 +110,7 @@ def reach(module: str) -> list[Path]:
                 if found is not None and found not in seen:
                     seen.add(found)
                     todo.append(found)
-    return [start, *sorted(seen - {start})]
+    return [start, *sorted(seen - {start} - stopped)]
 
 
 def _data_files(relative: str) -> list[Path]:
@@ -121,9 +126,9 @@ def _sha256(path: Path, stamp: tuple[int, int]) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def file_hashes(module: str) -> dict[str, str]:
-    """``{relative path: hash}`` of every file ``module`` reaches, its data included."""
-    files = reach(module)
+def file_hashes(module: str, stop: tuple[str, ...] = ()) -> dict[str, str]:
+    """``{relative path: hash}`` of every file ``module`` reaches (short of ``stop``), its data included."""
+    files = reach(module, stop)
     for path in list(files):
         files += [data for folder in DATA.get(path.relative_to(ROOT).as_posix(), ()) for data in _data_files(folder)]
     out = {}
@@ -133,15 +138,39 @@ def file_hashes(module: str) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def environment() -> dict:
-    """What ran a study, as far as its numbers depend on it: torch, the device, the CPU cores."""
+SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+"""The CPU's instruction sets that set how fast torch's CPU kernels run (bf16 matmuls slow down by
+an order of magnitude without AVX-512): part of a timed study's environment."""
+
+
+def cpu_speed() -> dict:
+    """The CPU's model name and which of ``SPEED_FLAGS`` it has (from /proc/cpuinfo; on other
+    systems the processor's name and no flags)."""
+    import platform
+
+    name, flags = platform.processor() or "unknown", set()
+    if os.path.exists("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    return {"cpu": name, "cpu_flags": " ".join(f for f in SPEED_FLAGS if f in flags) or "none of " + "/".join(SPEED_FLAGS)}
+
+
+def environment(timed: bool = False) -> dict:
+    """What ran a study, as far as its numbers depend on it: torch, the device, the CPU cores; for
+    a study that times (``timed``), also the CPU's model and instruction sets."""
     import platform
 
     import torch
 
-    return {"torch": torch.__version__, "python": platform.python_version(),
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "cores": os.cpu_count()}
+    env = {"torch": torch.__version__, "python": platform.python_version(),
+           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+           "cores": os.cpu_count()}
+    return env | (cpu_speed() if timed else {})
 
 
 def stored_key(out: Path, study: str) -> dict | None:
@@ -153,33 +182,49 @@ def stored_key(out: Path, study: str) -> dict | None:
     return json.loads(path.read_text()).get("key")
 
 
-def study_key(study: str, module: str, quick: bool, out: Path, env: dict | None = None) -> dict:
-    """The key ``study`` (run by ``module``) would have if it ran now with ``quick`` into ``out``."""
+def study_key(study: str, module: str, quick: bool, out: Path, env: dict | None = None,
+              report: str | None = None) -> dict:
+    """The key ``study`` (run by ``module``, its tables drawn and reported by ``report`` when it has
+    a report step of its own) would have if it ran now with ``quick`` into ``out``."""
     inputs = {}
     for other in READS.get(study, ()):
         path = out / other / "headline.json"
         record = json.loads(path.read_text()) if path.exists() else {}
         inputs[other] = {"digest": (record.get("key") or {}).get("digest"), "date_utc": record.get("date_utc")}
-    key = {"files": file_hashes(module), "args": {"quick": quick}, "env": env or environment(), "reads": inputs}
-    key["digest"] = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    key = {"files": file_hashes(module, (report,) if report else ()), "args": {"quick": quick},
+           "env": env or environment(), "reads": inputs, "report": file_hashes(report) if report else {}}
+    key["digest"] = digest(key)
     return key
 
 
-def changes(stored: dict | None, current: dict, parts: tuple[str, ...] = ("files", "args", "env", "reads")) -> list[str]:
+def digest(key: dict) -> str:
+    """A short hash of every part of ``key`` (its own ``digest`` left out)."""
+    parts = {part: value for part, value in key.items() if part != "digest"}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+MEASURED = ("files", "args", "env", "reads")
+"""The parts of a key that change what a study measures: a difference reruns it."""
+
+
+def changes(stored: dict | None, current: dict, parts: tuple[str, ...] = MEASURED) -> list[str]:
     """Why results made under ``stored`` do not describe ``current``, one phrase per difference in
     ``parts`` (REPORT.md leaves out "env": a study made on another machine is not stale, it is
-    that machine's); an empty list when they agree."""
+    that machine's; "report": a change to the report step alone redraws the study from its
+    tables); an empty list when they agree."""
     if stored is None:
         return ["no key stored (made before reproduce kept keys, or never run)"]
     why = []
-    if "files" in parts:
-        old, new = stored.get("files", {}), current["files"]
+    for part, prefix in (("files", ""), ("report", "report ")):
+        if part not in parts:
+            continue
+        old, new = stored.get(part, {}), current[part]
         edited = sorted(f for f in new if f in old and old[f] != new[f])
         added, removed = sorted(set(new) - set(old)), sorted(set(old) - set(new))
         for label, files in (("changed", edited), ("now imported", added), ("no longer imported", removed)):
             if files:
                 shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-                why.append(f"{label}: {shown}")
+                why.append(f"{prefix}{label}: {shown}")
     for part in ("args", "env", "reads"):
         if part in parts and stored.get(part) != current[part]:
             diff = {k: v for k, v in current[part].items() if stored.get(part, {}).get(k) != v}

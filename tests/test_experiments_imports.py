@@ -132,6 +132,18 @@ def test_every_study_in_the_registry_has_a_run_study():
             f"study {folder}: {module} defines no run_study"
 
 
+def test_every_report_step_defines_render_and_never_imports_what_it_draws():
+    """studies.REPORTS: each study's report step has ``render``, and does not import the module
+    that measures (which may import it: the key's reach stops there)."""
+    from experiments.studies import REPORTS
+
+    modules, studies = _modules(EXPERIMENTS), _studies()
+    for folder, module in REPORTS.items():
+        tree = ast.parse(modules[module].read_text(encoding="utf-8"))
+        assert any(isinstance(n, ast.FunctionDef) and n.name == "render" for n in tree.body), module
+        assert studies[folder][1] not in _imported(module, modules[module])[0], module
+
+
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s#]+)[^)]*\)")
 
 

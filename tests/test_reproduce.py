@@ -91,12 +91,45 @@ def test_a_study_that_reads_one_rerun_reruns_after_it(tmp_path):
     """scaling_curves reads benchmarks' results: when benchmarks reruns, scaling_curves is planned
     too, and runs after it; so do memory_gap and zero_r after fragmentation."""
     from experiments import reproduce
-    from experiments.studies import STUDIES
+    from experiments.studies import current_keys
 
-    key = study_key.study_key("scaling_curves", STUDIES["scaling_curves"][1], False, tmp_path)
+    key = current_keys(tmp_path, quick=False)["scaling_curves"]
     (tmp_path / "scaling_curves").mkdir()
     (tmp_path / "scaling_curves" / "headline.json").write_text(json.dumps({"headline": [], "key": key}))
-    todo, _, why = reproduce.plan(["scaling_curves", "benchmarks"], tmp_path, False, force=False)
+    todo, _, why, _ = reproduce.plan(["scaling_curves", "benchmarks"], tmp_path, False, force=False)
     assert todo == ["benchmarks", "scaling_curves"] and why["scaling_curves"] == ["reads: benchmarks rerun now"]
     assert reproduce._after_what_they_read(["zero_r", "memory_gap", "fragmentation", "gpu", "throughput"]) == \
         ["fragmentation", "zero_r", "memory_gap", "throughput", "gpu"]
+
+
+def test_a_change_to_the_report_step_alone_redraws_from_the_tables(tmp_path, monkeypatch):
+    """kernels has a report step (kernels_report): its files are the key's "report" part, out of
+    what the study measures. Editing it plans a redraw, not a run; the redraw draws the kept tables,
+    stores the new report part, keeps the run once in history/, and the next plan has nothing to do."""
+    from experiments import reproduce
+    from experiments.studies import current_keys
+
+    tree = _copy_project(tmp_path / "project")
+    monkeypatch.setattr(study_key, "ROOT", tree)
+    measured = study_key.file_hashes("experiments.bench_kernels", ("experiments.kernels_report",))
+    assert "experiments/kernels_report.py" not in measured and "experiments/bench_kernels.py" in measured
+    out = tmp_path / "results"
+    (out / "kernels").mkdir(parents=True)
+    for name in ("bench.csv", "meta.json"):
+        shutil.copy(ROOT / "results" / "kernels" / name, out / "kernels" / name)
+    key = current_keys(out, quick=False)["kernels"]
+    (out / "kernels" / "headline.json").write_text(json.dumps({"headline": [], "key": key}))
+    assert reproduce.plan(["kernels"], out, False, force=False)[::3] == ([], [])   # current
+
+    report = tree / "experiments" / "kernels_report.py"
+    report.write_text(report.read_text() + "\n# a plot fixed\n")
+    todo, keys, why, redrawn = reproduce.plan(["kernels"], out, False, force=False)
+    assert todo == [] and why["kernels"] == [] and redrawn == ["kernels"]
+    assert study_key.changes(key, keys["kernels"], ("report",)) == ["report changed: experiments/kernels_report.py"]
+    for _ in range(2):   # twice: the run is kept once
+        rows = reproduce.redraw("kernels", out, keys["kernels"])
+    assert rows and all(r["item"].startswith("adamw_step") for r in rows)
+    assert (out / "kernels" / "bench.png").exists() and "across runs" in (out / "kernels" / "README.md").read_text()
+    history = (out / "kernels" / "history" / "bench.csv").read_text().splitlines()
+    assert len(history) == len((out / "kernels" / "bench.csv").read_text().splitlines())   # one header, one run
+    assert reproduce.plan(["kernels"], out, False, force=False)[::3] == ([], [])
