@@ -56,6 +56,7 @@ import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,7 @@ import zero_ref  # noqa: E402
 from zero_ref.launch import spawn  # noqa: E402
 from zero_ref.models import lm_loss, tiny_gpt2, token_batches  # noqa: E402
 from experiments.peer_systems import EngineSystem, TorchSystem  # noqa: E402
-from experiments.bench_step_report import print_table, write_outputs  # noqa: E402
+from experiments.bench_step_report import draw, print_table, write_outputs  # noqa: E402
 from experiments.provenance import git_revision, hardware  # noqa: E402
 
 GOALS = {0: 1.00, 1: 1.02, 2: 1.05, 3: 1.15}
@@ -414,6 +415,7 @@ def main(argv=None) -> list[dict]:
                              kernels="torch", bucket_numel=args.bucket_numel),
         summary=rows)
     write_outputs(args, rows, step_rows, results, meta)
+    draw(Path(args.out))
     print_table(rows)
     if other_timed is not None:
         share = meta["other_processes_cpu_fraction_timed"]
@@ -427,28 +429,12 @@ def main(argv=None) -> list[dict]:
 def run_study(out, quick: bool = False, quiet: bool = False) -> dict:
     """The reproduce entry (full runs only): every stage against DDP in fp32 into ``out``, and in bf16
     into ``out``/bf16 with stages 2 and 3 also timed with reduce_dtype="fp32" (the cost of fp32
-    reductions); one headline row per system. bf16 runs fewer steps: its matmuls are slow on CPUs
-    without native bf16 (about 11 s a step without AVX-512)."""
-    headline = []
-    runs = (("fp32", out, []), ("bf16", out / "bf16", ["--steps", "12", "--warmup", "2", "--fp32-reduce-stages", "2", "3"]))
-    for dtype, folder, extra in runs:
-        rows = main(["--dtype", dtype, "--out", str(folder), *extra])
-        ddp = next(r for r in rows if r["system"] == "ddp")
-        for r in rows:
-            if r["system"] == "ddp":
-                continue
-            if r["system"].endswith("-r32"):
-                headline.append({
-                    "item": f"step time, stage {int(r['stage'])} with reduce_dtype='fp32', bf16, world 2",
-                    "paper": "(not in the paper)", "ours": f"{r['ratio_to_same_stage']:.3f}x the bf16 reduction",
-                    "error": "cost measured, no goal", "how": "real run"})
-                continue
-            headline.append({
-                "item": f"step time, stage {int(r['stage'])} vs DDP + AdamW(foreach), {dtype}, world 2",
-                "paper": "2Ψ comm. for stages 0-2, 3Ψ for stage 3 (no step time given)",
-                "ours": f"{r['ratio_to_ddp']:.3f}x DDP ({r['median_s'] * 1e3:.0f} vs {ddp['median_s'] * 1e3:.0f} ms)",
-                "error": f"project goal <= {r['goal']:.2f}x: {r['pass']}", "how": "real run"})
-    return {"headline": headline, "meta": {}}
+    reductions). bf16 runs fewer steps: its matmuls are slow on CPUs without native bf16 (about 11 s
+    a step without AVX-512). The report step (bench_step_report.render) draws both and gives the rows."""
+    for dtype, folder, extra in (("fp32", out, []), ("bf16", out / "bf16", ["--steps", "12", "--warmup", "2",
+                                                                          "--fp32-reduce-stages", "2", "3"])):
+        main(["--dtype", dtype, "--out", str(folder), *extra])
+    return {"meta": {}}
 
 
 if __name__ == "__main__":

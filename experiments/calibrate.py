@@ -84,7 +84,7 @@ def forward_backward_seconds(run, device: torch.device, reps: int, warmup: int =
     """Median seconds of ``run()`` (a forward ending in a scalar) and of that scalar's backward,
     both timed within the same iterations (on CUDA to the end of their kernels), so that whatever
     slows this rank down meanwhile (other ranks sharing its cores) weighs on both alike."""
-    from experiments.bench_kernels import synchronizer
+    from experiments.device_clock import synchronizer
 
     sync = synchronizer(device)
     for _ in range(warmup):
@@ -110,7 +110,7 @@ def step_rate(group, width: int = 1024, reps: int = 9, sync=lambda: None, device
     model unlike the timed ones (four ``width`` x ``width`` linear layers); on ``device`` (None: the
     CPU), timed to the end of its kernels."""
     import zero_ref
-    from experiments.bench_kernels import synchronizer
+    from experiments.device_clock import synchronizer
 
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4))).to(device)
     params = sum(p.numel() for p in model.parameters())
@@ -151,7 +151,7 @@ def stage3_own(group, vocab: int, seq: int = SEQ, shape: dict = OWN_SHAPE, reps:
     (``shape``), steps interleaved, the median over ``reps`` of stage 3's forward (and backward)
     minus stage 0's."""
     import zero_ref
-    from experiments.bench_kernels import synchronizer
+    from experiments.device_clock import synchronizer
     from zero_ref.core.activations import checkpoint_blocks
     from zero_ref.models import ParallelGPT
 
@@ -191,7 +191,7 @@ def stage3_own(group, vocab: int, seq: int = SEQ, shape: dict = OWN_SHAPE, reps:
 
 def _copy_seconds(elements: int, piece: int, reps: int, sync, device, dtype: str) -> float:
     """Median seconds to copy ``elements`` elements in pieces of ``piece`` into buffers written before."""
-    from experiments.bench_kernels import synchronizer
+    from experiments.device_clock import synchronizer
     from zero_ref.config import DTYPES
 
     done = synchronizer(device)

@@ -52,7 +52,7 @@ def _memory_vs_nd(out: Path, at_scale: pd.DataFrame, palette: dict) -> None:
     from matplotlib.lines import Line2D
 
     models = list(dict.fromkeys(at_scale.model))
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.4), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(4.4 * len(models), 4.4), sharex=True, squeeze=False)
     for ax, model in zip(axes[0], models):
         data = at_scale[at_scale.model == model]
         for name in STAGE_ORDER:

@@ -1,8 +1,12 @@
-"""What the peers study (experiments/peers.py) writes for people: REPORT.md and peers.png, from
-its table (peers.csv's rows), its goal checks and its meta.json."""
+"""The peers study's report step (experiments/peers.py measures): REPORT.md and peers.png, drawn
+from its table (peers.csv), its goal checks (in meta.json) and every run kept in history/.
+
+    python -m experiments.peer_report [--out results/peers]   # redraw from the tables
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -10,6 +14,8 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.peer_systems import CONTENDERS
+from experiments.provenance import ROOT
+from experiments.run_history import described, keep, spread
 
 
 def plot(path: Path, frame: pd.DataFrame, meta: dict) -> None:
@@ -31,7 +37,7 @@ def plot(path: Path, frame: pd.DataFrame, meta: dict) -> None:
                "(log; tick: formula)"),
               ("elements_per_param", "formula_elements_per_param", "elements moved per parameter per step "
                "(tick: paper's 2/2/2/3)")]
-    fig, axes = plt.subplots(3, 1, figsize=(max(10, 0.9 * len(names) * len(worlds) + 3), 12), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(14, 12), sharex=True)   # 1,540 px at 110 dpi
     colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]
     for ax, (column, formula, title) in zip(axes, panels):
         for j, world in enumerate(worlds):
@@ -89,7 +95,7 @@ def fmt(value, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def report(frame: pd.DataFrame, checks: list[dict], meta: dict) -> str:
+def report(frame: pd.DataFrame, checks: list[dict], meta: dict, history: pd.DataFrame) -> str:
     """REPORT.md: how it ran, one table per world size, the goal per (world size, stage)."""
     setup, v = meta["setup"], meta["versions"]
     lines = [
@@ -159,6 +165,11 @@ def report(frame: pd.DataFrame, checks: list[dict], meta: dict) -> str:
                      f"{', '.join(c['peers_with_all_three']) or 'none'} |")
     held = sum(c["holds"] for c in checks)
     lines += ["", f"The goal holds in {held} of {len(checks)} (world size, stage) cases in this run.", "",
+              "## Every run kept", "", "Time vs DDP in every run kept in `history/peers.csv` (by `run_id`): the "
+              "median across runs (lowest-highest, how many runs). No run replaces another.", "",
+              "| world | contender | time vs DDP across runs |", "|---|---|---|"]
+    lines += [f"| {r['world_size']} | {r['contender']} | {described(r)} |" for _, r in history.iterrows()]
+    lines += ["",
               "Settings beyond each library's defaults (all in meta.json): DeepSpeed gets `gradient_clipping: 0` in "
               "every variant (its default clips the gradient norm to 1.0, which no other contender does); "
               + "; ".join(f"{n}: {json.dumps(c['settings'])}" for n, c in meta["contenders"].items() if c["settings"])
@@ -185,3 +196,45 @@ def time_verdict(check: dict) -> str:
     if not versus["ok"]:
         return "**slower**"
     return "faster" if versus["ci_high"] < 1.0 else "as fast"
+
+
+PAPER_ELEMENTS = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
+"""Elements moved per parameter per step by stage, in units of Ψ (the paper's Sec 7: 2Ψ, 2Ψ, 2Ψ, 3Ψ)."""
+
+
+def headline(checks: list[dict]) -> list[dict]:
+    """One row per (world size, stage): zero-ref's stage against the stage's best peer."""
+    rows = []
+    for c in checks:
+        stage, world = c["stage"], c["world_size"]
+        peer = (f"best peer {c['best_peer']} {c['best_peer_ratio']:.2f}x; paired {paired(c['versus_best_peer'])}: "
+                f"{time_verdict(c).strip('*')}") if c["best_peer"] else "no peer ran"
+        rows.append({
+            "item": f"peers, stage {stage}, world {world}: zero-ref-{stage} vs the stage's peers",
+            "paper": f"{PAPER_ELEMENTS[stage]:.0f}Ψ moved; {c['formula_B_per_param']:.1f} B/Ψ (fp32)",
+            "ours": f"{c['zero_ref_ratio']:.2f}x DDP ({peer}); {c['elements_per_param']:.4f}Ψ; "
+                    f"{c['live_B_per_param']:.2f} B/Ψ",
+            "error": "goal holds" if c["holds"] else "goal fails: " + ", ".join(
+                k for k in ("time_ok", "elements_exact", "bytes_ok", "loss_equal") if c[k] is False),
+            "how": "real run"})
+    return rows
+
+
+def render(out: Path) -> list[dict]:
+    """The report step: keep the last run in history/, draw peers.png, write REPORT.md; the headline rows."""
+    meta = json.loads((out / "meta.json").read_text())
+    frame = pd.read_csv(out / "peers.csv")
+    history = spread(keep(out, "peers.csv", meta), ["world_size", "contender"], "ratio_to_ddp")
+    plot(out / "peers.png", frame, meta)
+    (out / "REPORT.md").write_text(report(frame, meta["goal_check"], meta, history))
+    return headline(meta["goal_check"])
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description="Redraw the peers study's plot and REPORT.md from its tables")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "peers")
+    return render(parser.parse_args(argv).out)
+
+
+if __name__ == "__main__":
+    main()

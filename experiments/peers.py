@@ -48,13 +48,12 @@ import pandas as pd
 from tqdm import tqdm
 
 from experiments.bench_scaling import FIRST_STEPS, median_ci
-from experiments.peer_report import paired, plot, report, time_verdict
+from experiments.peer_report import PAPER_ELEMENTS, render
 from experiments.peer_runs import groups, repeatable, run_world
 from experiments.peer_systems import CONTENDERS, Setup, deepspeed_config, resolved_settings, versions
 from experiments.provenance import ROOT, provenance
 from zero_ref.analysis.memory_model import model_state_bytes
 
-PAPER_ELEMENTS = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
 """Elements moved per parameter per step, the paper's Sec 7 (baseline, Pos, Pos+g: 2Ψ; Pos+g+p: 3Ψ)."""
 COMM_TOLERANCE = 1e-3
 """|elements/Ψ - formula| allowed for "exact": padding (< Nd elements per group) and the step's small
@@ -214,13 +213,12 @@ def write_outputs(out: Path, rows: list[dict], step_rows: list[dict], checks: li
     frame[[c for c in COLUMNS if c in frame.columns] + extra].to_csv(out / "peers.csv", index=False)
     pd.DataFrame(step_rows).to_csv(out / "peers_steps.csv", index=False)
     (out / "meta.json").write_text(json.dumps(meta | {"goal_check": checks}, indent=2, default=str) + "\n")
-    plot(out / "peers.png", frame, meta)
-    (out / "REPORT.md").write_text(report(frame, checks, meta))
+    render(out)
 
 
 def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
     """For `zero-ref reproduce`: the default run (quick: world 2, GPT-2 2x64, 4 timed steps, eight
-    contenders); one headline row per world size and stage."""
+    contenders); peer_report.render gives one headline row per world size and stage."""
     argv = ["--out", str(out)] + (["--quiet"] if quiet else [])
     if not quick:   # every contender at world 2 and 4, 20 timed steps (rounds) each in 2 blocks: 21 minutes on 2 cores
         argv += ["--steps", "20"]
@@ -229,21 +227,7 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
                  "--seq", "32", "--batch", "4", "--contenders", "zero-ref-0", "zero-ref-1", "zero-ref-2", "zero-ref-3",
                  "zero-redundancy-optimizer", "fsdp2-no-reshard", "fsdp2-reshard", "deepspeed-2"]
     main(argv)
-    meta = json.loads((out / "meta.json").read_text())
-    headline = []
-    for c in meta["goal_check"]:
-        stage, world = c["stage"], c["world_size"]
-        peer = (f"best peer {c['best_peer']} {c['best_peer_ratio']:.2f}x; paired {paired(c['versus_best_peer'])}: "
-                f"{time_verdict(c).strip('*')}") if c["best_peer"] else "no peer ran"
-        headline.append({
-            "item": f"peers, stage {stage}, world {world}: zero-ref-{stage} vs the stage's peers",
-            "paper": f"{PAPER_ELEMENTS[stage]:.0f}Ψ moved; {c['formula_B_per_param']:.1f} B/Ψ (fp32)",
-            "ours": f"{c['zero_ref_ratio']:.2f}x DDP ({peer}); {c['elements_per_param']:.4f}Ψ; "
-                    f"{c['live_B_per_param']:.2f} B/Ψ",
-            "error": "goal holds" if c["holds"] else "goal fails: " + ", ".join(
-                k for k in ("time_ok", "elements_exact", "bytes_ok", "loss_equal") if c[k] is False),
-            "how": "real run"})
-    return {"headline": headline, "meta": meta}
+    return {"meta": json.loads((out / "meta.json").read_text())}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -48,7 +48,7 @@ import torch
 from tqdm import tqdm
 
 from experiments.provenance import ROOT, provenance
-from experiments.scaling_curves_report import plots, write_report
+from experiments.scaling_curves_report import render
 from zero_ref.analysis import memory_model as mm
 from zero_ref.analysis.at_scale import fake_world, padding_bound
 from zero_ref.analysis.collective_count import CountCollectives
@@ -220,7 +220,8 @@ def run(out: Path, bench_json: Path | None = None, quiet: bool = False, *, model
         nds: tuple[int, ...] = NDS) -> dict:
     """Measure the at-scale sweep (``models`` x stages 0-3 x ``nds``, plus the real runs' own cases
     of those models), read the benchmark JSON (``bench_json``; None: the newest under results/benchmarks),
-    write the CSVs, plots, meta.json and REPORT.md under ``out``; return headline and meta."""
+    and write the tables (scaling_at_scale.csv, scaling_real.csv, scaling_check.csv) and meta.json
+    under ``out``, which scaling_curves_report.render draws; return meta."""
     start = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -242,16 +243,15 @@ def run(out: Path, bench_json: Path | None = None, quiet: bool = False, *, model
     swept = time.perf_counter() - swept
     at_scale = at_scale.sort_values(["model", "stage", "nd"], ignore_index=True, key=_model_order)
     at_scale.to_csv(out / "scaling_at_scale.csv", index=False)
-    check = compare_real(real, at_scale) if real is not None else None
-    psi_nd = PSI_ND if PSI_ND in nds else max(nds)
-    written = plots(out, at_scale, real, psi_nd)
+    if real is not None:
+        compare_real(real, at_scale).to_csv(out / "scaling_check.csv", index=False)
     meta = provenance() | {"seconds": round(time.perf_counter() - start, 1), "sweep_seconds": round(swept, 1),
                            "models": {m: asdict(MODELS[m]) for m in models}, "nds": list(nds), "k": K_FP32,
+                           "psi_nd": PSI_ND if PSI_ND in nds else max(nds),
                            "batch_per_rank": BATCH_PER_RANK, "bench_json": str(bench_json) if bench_json else None,
-                           "bench_commit_info": commit, "part2": part2, "plots": written}
-    headline = write_report(out, at_scale, real, check, psi_nd, meta)
+                           "bench_commit_info": commit, "part2": part2}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return {"headline": headline, "meta": meta}
+    return {"meta": meta}
 
 
 def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="pytest-benchmark JSON of the scaling suite (default: results/benchmarks/run.json, else the newest saved run)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    return run(args.out, args.bench_json, args.quiet)
+    result = run(args.out, args.bench_json, args.quiet)
+    return result | {"headline": render(args.out)}
 
 
 if __name__ == "__main__":

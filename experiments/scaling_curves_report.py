@@ -3,12 +3,15 @@ measured and passes in (it calls these; nothing here imports it back)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import numbers
 from pathlib import Path
 
 import pandas as pd
 
 from experiments.markdown import table
+from experiments.provenance import ROOT
 from zero_ref.analysis import memory_model as mm
 
 
@@ -56,7 +59,7 @@ def plots(out: Path, at_scale: pd.DataFrame, real: pd.DataFrame | None, psi_nd: 
         ax.set_xlabel(label)
 
     with sns.axes_style("whitegrid"):
-        fig, axes = plt.subplots(1, len(models), figsize=(4.6 * len(models), 5), squeeze=False)
+        fig, axes = plt.subplots(1, len(models), figsize=(4.3 * len(models), 5), squeeze=False)
         for ax, model in zip(axes[0], models):
             data = at_scale[at_scale.model == model]
             for s, rows in data.groupby("stage"):
@@ -76,7 +79,7 @@ def plots(out: Path, at_scale: pd.DataFrame, real: pd.DataFrame | None, psi_nd: 
                 "the dotted lines add the constant-size gradient buckets (CB), outside the formula")
         written.append("bytes_vs_nd.png")
 
-        fig, axes = plt.subplots(2, len(models), figsize=(4.6 * len(models), 7), squeeze=False)
+        fig, axes = plt.subplots(2, len(models), figsize=(4.3 * len(models), 7), squeeze=False)
         for top, bottom, model in zip(axes[0], axes[1], models):
             data = at_scale[at_scale.model == model]
             for s, rows in data[data.nd > 1].groupby("stage"):    # over one rank nothing is issued
@@ -91,8 +94,12 @@ def plots(out: Path, at_scale: pd.DataFrame, real: pd.DataFrame | None, psi_nd: 
                     ax.scatter(rows.world_size, y, marker="X", s=70, color=colour[s], edgecolors="black", zorder=4,
                                label=f"{_stage(s)}: real run")
             top.set(ylim=(1.8, 3.2), ylabel="elements per rank per step / Ψ", title=model)
+            top.annotate("stages 0, 1 and 2 lie on one line at 2Ψ", (0.03, 0.12), xycoords="axes fraction",
+                         fontsize=7, color="dimgrey")
             bottom.set_yscale("symlog", linthresh=1e-6)
             bottom.set(ylabel="excess / Ψ over the paper")
+            bottom.annotate("stage 1 lies under stage 0", (0.03, 0.9), xycoords="axes fraction", fontsize=7,
+                            color="dimgrey")
             nd_axis(top, data.nd), nd_axis(bottom, data.nd)
         _finish(plt, fig, axes, out / "elements_vs_nd.png", "Elements moved per rank in one step / Ψ (the paper's "
                 "count); below: the excess, padding plus the step's statistics all-reduce.\nNot drawn: Nd = 1, where "
@@ -100,7 +107,7 @@ def plots(out: Path, at_scale: pd.DataFrame, real: pd.DataFrame | None, psi_nd: 
         written.append("elements_vs_nd.png")
 
         if real_models:
-            fig, axes = plt.subplots(2, len(real_models), figsize=(4.6 * len(real_models), 7), squeeze=False)
+            fig, axes = plt.subplots(2, len(real_models), figsize=(4.3 * len(real_models), 7), squeeze=False)
             for top, bottom, model in zip(axes[0], axes[1], real_models):
                 runs = real[real.model == model]
                 for s, rows in runs.groupby("stage"):
@@ -236,3 +243,24 @@ def write_report(out: Path, at_scale: pd.DataFrame, real: pd.DataFrame | None, c
               + ", ".join(f"`{name}`" for name in meta["plots"]) + f" (the *_vs_psi plots at Nd = {psi_nd}).", ""]
     (out / "REPORT.md").write_text("\n".join(lines))
     return headline
+
+
+def render(out: Path) -> list[dict]:
+    """The report step: the plots and REPORT.md from the tables a run of scaling_curves.py left in
+    ``out``; the headline rows."""
+    meta = json.loads((out / "meta.json").read_text())
+    at_scale = pd.read_csv(out / "scaling_at_scale.csv")
+    real = pd.read_csv(out / "scaling_real.csv") if (out / "scaling_real.csv").exists() else None
+    check = pd.read_csv(out / "scaling_check.csv", keep_default_na=False) if real is not None else None
+    written = plots(out, at_scale, real, meta["psi_nd"])
+    return write_report(out, at_scale, real, check, meta["psi_nd"], meta | {"plots": written})
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description="Redraw the scaling curves and REPORT.md from the tables of the last run")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "scaling_curves")
+    return render(parser.parse_args(argv).out)
+
+
+if __name__ == "__main__":
+    main()

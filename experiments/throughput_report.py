@@ -1,10 +1,11 @@
-"""results/throughput/: the throughput study's plots, REPORT.md and headline rows (`zero-ref reproduce`).
+"""The throughput study's report step: results/throughput/'s plots, REPORT.md and headline rows.
 
-    python -m experiments.throughput_report [--quick] [--out results/throughput]
+    python -m experiments.throughput_report [--out results/throughput]   # redraw from the tables
 
-Runs experiments/throughput_study.py (calibration, validation against timed runs, superlinear
-scaling at our scale) and experiments/paper_projection.py (Figures 2, 3, 4, 8 on the paper's
-machine), then draws the figures in the paper's style and writes the report.
+experiments/throughput_study.py measures (calibration, validation against timed runs, superlinear
+scaling at our scale; experiments/paper_projection.py's Figures 2, 3, 4, 8 on the paper's
+machine) and writes the tables; this module draws the figures in the paper's style from them,
+keeps every run's validation and superlinear tables in history/, and writes the report.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import time
 from pathlib import Path
 
 import matplotlib
@@ -22,14 +22,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from experiments import markdown, paper_projection, throughput_study  # noqa: E402
+from experiments import markdown, paper_projection  # noqa: E402
 from experiments.paper_values import paper_runs, rows  # noqa: E402
-from experiments.provenance import ROOT, provenance  # noqa: E402
+from experiments.provenance import ROOT  # noqa: E402
+from experiments.run_history import described, keep, spread  # noqa: E402
 from zero_ref.analysis import memory_model as mm  # noqa: E402
 from zero_ref.analysis import perf_model as pm  # noqa: E402
 from zero_ref.analysis.at_scale import ModelShape  # noqa: E402
 
-PAPER = dict(color="black", marker="o", zorder=5, label="paper (read from the figure, ±0.5)")
+SECONDARY = "read off a secondary figure, ±0.5 TFLOPS"
+"""Where the paper's Figs 2-4 values come from: DeepSpeed's ZeRO-2 announcement figure (paper_data/README.md)."""
+PAPER = dict(color="black", marker="o", zorder=5, label=f"paper ({SECONDARY})")
 
 
 def _size(label: str) -> float:
@@ -49,10 +52,10 @@ def plot_paper_figures(out: Path, frame: pd.DataFrame, fig3: pd.DataFrame) -> No
         ax.bar(xs, part.model_tflops, width=0.38, color=colour, alpha=0.7,
                label=f"{'ZeRO-100B' if system == 'ZeRO' else 'Megatron baseline'}: model")
         ax.scatter(xs, part.paper_tflops, color="black", marker="o" if system == "ZeRO" else "x", zorder=5,
-                   label=f"{'ZeRO-100B' if system == 'ZeRO' else 'Megatron baseline'}: paper")
+                   label=f"{'ZeRO-100B' if system == 'ZeRO' else 'Megatron baseline'}: paper ({SECONDARY})")
     ax.set_xticks(range(len(sizes)), sizes)
-    ax.set(title="Fig 2: TFLOPS per GPU, 400 V100s", xlabel="model size", ylabel="TFLOPS per GPU")
-    ax.legend(fontsize=8)
+    ax.set(title="Fig 2: TFLOPS per GPU, 400 V100s", xlabel="model size", ylabel="TFLOPS per GPU", ylim=(0, 54))
+    ax.legend(fontsize=7, loc="upper right", ncol=2)
     # Fig 3: aggregate against GPUs with an ideal-linear reference
     ax = axes[0, 1]
     ax.plot(fig3.gpus, fig3.paper_aggregate_pflops, **PAPER)
@@ -69,19 +72,29 @@ def plot_paper_figures(out: Path, frame: pd.DataFrame, fig3: pd.DataFrame) -> No
         part = fig4[fig4.system == system]
         ax.plot(part["size"], part.model_tflops, marker="s", linestyle=style, label=f"{system}: model")
         ax.plot(part["size"], part.paper_tflops, color="black", marker="o" if system == "ZeRO" else "x",
-                linestyle=style, zorder=5, label=f"{system}: paper")
+                linestyle=style, zorder=5, label=f"{system}: paper ({SECONDARY})")
     ax.set(title="Fig 4: no model parallelism, 128 GPUs", xlabel="model size (B parameters)", ylabel="TFLOPS per GPU")
     ax.legend(fontsize=8)
     # Fig 8: C1-C5 for 60B (128 GPUs) and C5 for 170B (400 GPUs): no numbers in the paper
     ax = axes[1, 1]
     fig8 = frame[frame.figure == "Fig 8"]
     labels = [f"{r.label} {r.config}\nbatch {r.batch_per_gpu}" for r in fig8.itertuples()]
-    ax.bar(labels, fig8.model_tflops, color="tab:green", alpha=0.7, label="model (the paper gives no numbers)")
+    fits = (fig8.batch_per_gpu <= fig8.largest_batch_32gb).tolist()
+    bars = ax.bar(labels, fig8.model_tflops, color=["tab:green" if f else "lightgrey" for f in fits], alpha=0.7,
+                  label="model (the paper gives no numbers)")
+    for bar, fit, largest in zip(bars, fits, fig8.largest_batch_32gb):
+        if not fit:
+            bar.set_hatch("//")
+            ax.annotate(f"does not fit 32 GB\n(largest batch {largest})", (bar.get_x() + bar.get_width() / 2,
+                        bar.get_height()), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=7)
+    if not all(fits):
+        ax.bar([labels[0]], [0], color="lightgrey", hatch="//", label="its batch does not fit 32 GB (memory model)")
     ax.set(title="Fig 8: TFLOPS per GPU by ZeRO configuration", ylabel="TFLOPS per GPU")
+    ax.margins(y=0.2)
     ax.tick_params(axis="x", labelsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "paper_figures.png", dpi=120)
+    fig.savefig(out / "paper_figures.png", dpi=110)   # 1,540 px wide
     plt.close(fig)
 
 
@@ -94,9 +107,10 @@ def plot_our_scale(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame) -> No
     sns.barplot(checks, x="run", y="ratio", hue="phase", ax=ax)
     ax.axhspan(0.85, 1.15, color="green", alpha=0.1, label="within 15%")
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set(title="performance model / measured, per phase (this CPU, gloo)", ylabel="predicted / measured")
-    ax.tick_params(axis="x", labelsize=8, rotation=30)
-    ax.legend(fontsize=8)
+    ax.set(title="performance model / measured, per phase (this CPU, gloo)", ylabel="predicted / measured", xlabel="")
+    ax.tick_params(axis="x", labelsize=8)
+    plt.setp(ax.get_xticklabels(), rotation=40, ha="right", rotation_mode="anchor")
+    ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     ax = axes[1]
     grown = scaling[scaling.case == "batch that fits"]
     fixed = pd.concat([grown[grown.nd == 1], scaling[scaling.case == "Nd=1's batch"]])
@@ -104,12 +118,12 @@ def plot_our_scale(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame) -> No
     ax.plot(fixed.nd, fixed.samples_per_s, marker="s", linestyle=":", label="Nd=1's batch at every Nd")
     ax.plot(grown.nd, grown.samples_per_s.iloc[0] * grown.nd, color="grey", linestyle="--", label="ideal linear from Nd=1")
     for r in grown.itertuples():
-        ax.annotate(f"batch {r.batch}", (r.nd, r.samples_per_s), textcoords="offset points", xytext=(5, -12), fontsize=8)
+        ax.annotate(f"batch {r.batch}", (r.nd, r.samples_per_s), textcoords="offset points", xytext=(-14, -14), fontsize=8)
     ax.set(title="superlinear at our scale: Pos+g, fixed per-rank budget", xlabel="Nd (ranks)",
            ylabel="aggregate samples/s (measured)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "our_scale.png", dpi=120)
+    fig.savefig(out / "our_scale.png", dpi=110)   # 1,540 px wide
     plt.close(fig)
 
 
@@ -119,8 +133,30 @@ def _table(frame: pd.DataFrame, columns: list[str], digits: int = 2) -> list[str
     return markdown.table(frame[columns], cell).splitlines()
 
 
+def across_runs(kept: dict[str, pd.DataFrame]) -> tuple[list[str], dict]:
+    """The timed numbers of every run kept (history/validation.csv, history/superlinear.csv), per
+    run: the phases within 15% and the median error; the superlinear speedup at each Nd. Returns
+    the report's lines and the spread of each as text."""
+    validation = kept["validation"].assign(error=lambda d: (d.ratio - 1).abs())
+    per_run = validation.groupby("run_id", sort=False).agg(within=("error", lambda e: int((e <= 0.15).sum())),
+                                                            phases=("error", "size"), median_error=("error", "median"))
+    grown = kept["superlinear"][kept["superlinear"].case == "batch that fits"]
+    speedups = grown.pivot_table(index="run_id", columns="nd", values="speedup_vs_nd1", sort=False)
+    table = per_run.join(speedups.rename(columns=lambda nd: f"speedup, Nd {nd}")).reset_index()
+    runs = per_run.reset_index().assign(study="throughput")
+    summary = {"within": described(spread(runs, ["study"], "within").iloc[0], ".0f"),
+               "median_error": described(spread(runs, ["study"], "median_error").iloc[0], ".1%")}
+    lines = ["## Every run kept", "",
+             "Each run of this study (by `run_id`: its date and revision) adds its rows to `history/validation.csv` and "
+             "`history/superlinear.csv`; none replaces another. Per run: the model's phases within 15% of the timed "
+             "median, the median error, and the measured superlinear speedup over Nd = 1 at the batch that fits.", "",
+             *_table(table, list(table.columns), 3), "",
+             f"Across runs: phases within 15% {summary['within']}; median error {summary['median_error']}.", ""]
+    return lines, summary
+
+
 def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: pd.DataFrame, fig3: pd.DataFrame,
-                 meta: dict) -> list[dict]:
+                 meta: dict, kept: dict[str, pd.DataFrame]) -> list[dict]:
     """REPORT.md for results/throughput and the headline rows."""
     within = (checks.ratio - 1).abs() <= 0.15
     median_error = float((checks.ratio - 1).abs().median())
@@ -148,10 +184,8 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
     lines = [
         "# Throughput: the performance model, checked on our runs, then projected to the paper's machine", "",
         f"Generated by `{meta['command']}` at git `{meta['git_revision']}` on {meta['date_utc']} "
-        f"({meta['seconds']:.0f} s, {meta['hardware']['cores']} cores, {meta['hardware']['cpu']})"
-        + (f"; this text and the plots rewritten from that run's CSVs by `{meta['rewritten']['command']}` at git "
-           f"`{meta['rewritten']['git_revision']}` on {meta['rewritten']['date_utc']}" if "rewritten" in meta else "")
-        + ".", "",
+        f"({meta['seconds']:.0f} s, {meta['hardware']['cores']} cores, {meta['hardware']['cpu']}); text and plots "
+        "drawn from its tables by `experiments/throughput_report.py`.", "",
         "FLOPs are Megatron-LM's count (`zero_ref.analysis.perf_model.training_flops`): **checkpoint recomputation "
         "is counted** (96·b·s·l·h²·(1 + s/6h + V/16lh)); the paper does not say how it counted.", "",
         "## 1. The model against timed runs on this machine", "",
@@ -185,7 +219,7 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
         *_table(checks, ["world", "stage", "mp", "checkpoints", "phase", "measured_s", "predicted_s", "ratio",
                          "spread", "drift"], 3), "",
         "## 2. Superlinear scaling at our scale (Sec 10.3's mechanism, measured)", "",
-        f"Pos+g (stage 2), model 4 x 256 (vocab {throughput_study.VOCAB}, seq 128), fp32, one thread per rank; "
+        f"Pos+g (stage 2), model 4 x 256 (vocab {meta['vocab']}, seq 128), fp32, one thread per rank; "
         f"a per-rank budget of {scaling.budget_mb.iloc[0]:.1f} MB, set so that batch 2 fits one rank (the "
         "engine's own allocation trace of a steady-state step on meta tensors, `batch_search.step_peak_bytes`, which "
         "equals what the real runs' recorder measures: `peak_mb`). The first step peaks higher once "
@@ -269,6 +303,8 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
         f"{frame[(frame.figure == 'Fig 8') & (frame.config == 'C4')].model_tflops.iloc[0]:.1f} TFLOPS; its batch is "
         "8 against 32). " + _fig8_batch_order_text(frame),
     ]
+    history_lines, history = across_runs(kept)
+    lines += ["", *history_lines]
     (out / "REPORT.md").write_text("\n".join(lines) + "\n")
     headline = [{"item": f"{r.figure} {r.label} {r.system}{' ' + r.config if r.config else ''}, TFLOPS per GPU",
                  "paper": f"{r.paper_tflops:.1f}", "ours": f"{r.model_tflops:.1f}",
@@ -287,7 +323,8 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
                              f"{grown.speedup_vs_nd1.loc[nd_max]:.2f}x Nd=1's samples/s",
                      "error": f"superlinear: {grown.speedup_vs_nd1.loc[nd_max] > nd_max}", "how": "real run"})
     headline.append({"item": "performance model vs timed runs (phases and steps, world 1-4, stages 0-3, MP 2)",
-                     "paper": "(our goal: within 15%)", "ours": f"{int(within.sum())} of {len(checks)} within 15%",
+                     "paper": "(our goal: within 15%)", "ours": f"{int(within.sum())} of {len(checks)} within 15% (across runs: "
+                     f"{history['within']})",
                      "error": f"median {median_error:.1%}", "how": "real run"})
     return headline
 
@@ -383,47 +420,23 @@ def _pressure_summary(frame: pd.DataFrame) -> dict:
     return {"headline": headline, "text": text}
 
 
-def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
-    """Everything above; the entry of `zero-ref reproduce`."""
-    start = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
-    study = throughput_study.run(out, quick)
-    frame = paper_projection.projections(trace_memory=not quick, quiet=quiet)
-    frame.to_csv(out / "paper_projection.csv", index=False)
-    fig3 = paper_projection.superlinear_mechanism(frame)
-    fig3.to_csv(out / "fig3_mechanism.csv", index=False)
-    plot_paper_figures(out, frame, fig3)
-    plot_our_scale(out, study["validation"], study["superlinear"])
-    meta = provenance() | {"quick": quick, "seconds": round(time.perf_counter() - start, 1),
-                           "calibration_seconds": round(study["calibration"]["seconds"], 1)}
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    headline = write_report(out, study["validation"], study["superlinear"], frame, fig3, meta)
-    return {"headline": headline, "meta": meta}
-
-
-def report_from_csvs(out: Path) -> list[dict]:
-    """Redraw the plots and rewrite REPORT.md from the CSVs and meta.json a run left in ``out``."""
-    read = lambda name: pd.read_csv(out / name, keep_default_na=True)
+def render(out: Path) -> list[dict]:
+    """The report step: redraw the plots and rewrite REPORT.md from the tables and meta.json a run
+    left in ``out``, its validation and superlinear tables kept in history/; the headline rows."""
+    read = lambda name: pd.read_csv(out / name, keep_default_na=True)  # noqa: E731
     frame = read("paper_projection.csv").fillna({"config": ""})
     checks, scaling, fig3 = read("validation.csv"), read("superlinear.csv"), read("fig3_mechanism.csv")
+    meta = json.loads((out / "meta.json").read_text())
+    kept = {"validation": keep(out, "validation.csv", meta), "superlinear": keep(out, "superlinear.csv", meta)}
     plot_paper_figures(out, frame, fig3)
     plot_our_scale(out, checks, scaling)
-    meta = json.loads((out / "meta.json").read_text())
-    meta["rewritten"] = {key: value for key, value in provenance().items() if key != "hardware"}
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return write_report(out, checks, scaling, frame, fig3, meta)
+    return write_report(out, checks, scaling, frame, fig3, meta, kept)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "throughput")
-    parser.add_argument("--report-only", action="store_true", help="rewrite REPORT.md and the plots from the "
-                        "CSVs of the last run in --out (their meta.json keeps the run's command and revision)")
-    args = parser.parse_args(argv)
-    if args.report_only:
-        return {"headline": report_from_csvs(args.out)}
-    return run_study(args.out, args.quick)
+    return render(parser.parse_args(argv).out)
 
 
 if __name__ == "__main__":

@@ -18,18 +18,29 @@ scaling reproduced by the mechanism the paper names (Sec 10.3), measured.
    per-rank states shrink. Each Nd is timed at that batch and at Nd=1's batch, so the gain from
    the batch is measured apart from the gain from more ranks.
 
-Outputs in results/throughput/: calibration_*.csv, validation.csv, superlinear.csv, their plots
-(written by paper_projection.py's report together with the paper's figures).
+4. **The paper's figures** (experiments/paper_projection.py): Figures 2, 3, 4, 8 projected to the
+   paper's V100s by the same model.
+
+    python -m experiments.throughput_study [--quick] [--out results/throughput]
+
+Outputs in results/throughput/: calibration_*.csv, validation.csv, superlinear.csv,
+paper_projection.csv, fig3_mechanism.csv and meta.json; experiments/throughput_report.py (the
+report step) draws the plots and REPORT.md from them and keeps every run in history/.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import pandas as pd
 
-from experiments import calibrate
+from experiments import calibrate, paper_projection
 from experiments.batch_search import max_batch, step_peak_bytes
+from experiments.provenance import ROOT, provenance
 from experiments.run_spec import RunSpec
 from experiments.throughput import main as throughput_main
 from zero_ref.analysis import perf_model as pm
@@ -182,3 +193,32 @@ def run(out, quick: bool = False) -> dict:
     scaling = superlinear(cal, runs, quick)
     scaling.to_csv(out / "superlinear.csv", index=False)
     return {"calibration": cal, "validation": checks, "superlinear": scaling}
+
+
+def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
+    """The reproduce entry: ``run``, then the paper's figures projected (paper_projection), every
+    table and meta.json in ``out``; throughput_report.render draws them and gives the headline rows."""
+    start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    study = run(out, quick)
+    frame = paper_projection.projections(trace_memory=not quick, quiet=quiet)
+    frame.to_csv(out / "paper_projection.csv", index=False)
+    paper_projection.superlinear_mechanism(frame).to_csv(out / "fig3_mechanism.csv", index=False)
+    meta = provenance() | {"quick": quick, "seconds": round(time.perf_counter() - start, 1), "vocab": VOCAB,
+                           "calibration_seconds": round(study["calibration"]["seconds"], 1)}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return {"meta": meta}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from experiments.throughput_report import render
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "throughput")
+    args = parser.parse_args(argv)
+    return run_study(args.out, args.quick) | {"headline": render(args.out)}
+
+
+if __name__ == "__main__":
+    main()

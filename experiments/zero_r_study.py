@@ -193,7 +193,7 @@ def plot(out: Path, checkpoints: pd.DataFrame, comm: pd.DataFrame, sec61: pd.Dat
     import seaborn as sns
 
     sns.set_theme(style="whitegrid")
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.4))   # 1,560 px at 120 dpi
     per_rank = checkpoints[checkpoints.stage == 2].groupby(["mp", "mode"], as_index=False)[
         ["device_bytes", "host_bytes"]].max()
     per_rank["where"] = "device"

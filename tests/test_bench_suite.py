@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from experiments.bench_scaling import BenchRank, BenchSpec, gate, measure, median_ci
@@ -81,3 +82,22 @@ def test_smoke_of_the_suite_passes_its_gate_against_the_committed_baseline(tmp_p
         assert 0 <= info["elements_total"] - info["formula_elements_over_psi"] * psi < 200, name
         states = sum(info["bytes_per_rank"][k] for k in ("params", "grads", "optimizer_states"))
         assert 0 <= states - info["formula_bytes_per_rank"]["total"] < 16 * 2 * 100, name
+    _report_keeps_every_run(out, tmp_path / "report")
+
+
+def _report_keeps_every_run(run_json, folder):
+    """bench_report draws REPORT.md from a run's JSON and keeps each run once in history/bench.csv,
+    so the ratio across runs counts every run, and none replaces another."""
+    from experiments.bench_report import render
+
+    folder.mkdir()
+    (folder / "run.json").write_bytes(run_json.read_bytes())
+    for day in ("2026-01-01", "2026-01-01", "2026-01-02"):   # the same run twice, then another
+        meta = {"command": "zero-ref bench --smoke", "git_revision": "abc", "date_utc": f"{day}T00:00:00+00:00",
+                "exit_status": 0, "threshold": 1.0, "baseline": None, "saved_as": None}
+        (folder / "meta.json").write_text(json.dumps(meta))
+        rows = render(folder)
+    history = pd.read_csv(folder / "history" / "bench.csv")
+    assert sorted(history.run_id.value_counts().tolist()) == [8, 8]
+    assert ", 2 runs)" in (folder / "REPORT.md").read_text()
+    assert rows[-1]["ours"] == "8 benchmarks, pytest exit status 0 (all pass)"

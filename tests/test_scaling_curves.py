@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from experiments import scaling_curves as sc
+from experiments.scaling_curves_report import render
 from zero_ref.analysis import memory_model as mm
 
 S = sc.MODELS["S"]
@@ -48,7 +49,7 @@ def study(tmp_path_factory):
     bench.write_text(json.dumps({"commit_info": {"id": "abc123"},
                                  "benchmarks": [entry(s, w) for s in (0, 1) for w in (1, 2)]}))
     result = sc.run(folder / "out", bench, quiet=True, models=("S",), nds=(1, 3, 8))
-    return folder / "out", result
+    return folder / "out", result | {"headline": render(folder / "out")}
 
 
 def test_engine_bytes_are_the_formula_plus_padding(study):

@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["reproduce"]:   # the studies keep their own options: zero-ref reproduce --help
         _plugin("reproduce")(argv[1:])
         return
+    if argv[:1] == ["bench"] and "--peers" in argv:   # the peers side by side: options after -- are theirs
+        _plugin("peers")([a for a in argv[1:] if a not in ("--peers", "--")])
+        return
     if argv[:1] == ["bench"]:       # so does the suite: zero-ref bench --help
         sys.exit(_plugin("bench")(argv[1:]))
     if argv[:1] == ["explain"]:     # and the walkthrough's traced step: zero-ref explain --help
