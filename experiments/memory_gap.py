@@ -22,9 +22,13 @@ This study sizes that memory and names what it can:
 4. What is left after the measured term is stated as **unexplained**, in GB and as a share of the
    device; NCCL's buffers, cuBLAS/cuDNN workspaces beyond the context and 2019 apex's optimizer
    temporaries are named there, with no size (nothing here can measure them).
+5. **The CUDA share beside the CPU one**: the one fragmentation measured with CUDA's own allocator
+   (results/gpu/engine_check.csv, a small engine on the lent H200) replaces the CPU trace model's
+   share in a second column of the remainder: a sensitivity, since that engine is not at paper scale.
 
 Writes ``layer_fit.csv`` (every measured layer and the fit), ``gap.csv`` (per paper point),
-``REPORT.md`` and ``meta.json`` into ``results/memory_gap/``; reads ``results/fragmentation``.
+``REPORT.md`` and ``meta.json`` into ``results/memory_gap/``; reads ``results/fragmentation`` and
+``results/gpu``.
 
     python -m experiments.memory_gap
 """
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -156,6 +161,17 @@ def gap_row(study: str, case: Case, paper_b: float, family: tuple, search: pd.Se
             "search_error_pct": float(search.error_pct)}
 
 
+def cuda_fragmentation(results: Path) -> float | None:
+    """The largest fragmentation CUDA's caching allocator showed in the GPU check (the
+    "caching-allocator model" rows of results/gpu/engine_check.csv), or None where none was recorded."""
+    path = results / "gpu" / "engine_check.csv"
+    if not path.exists():
+        return None
+    shares = [float(m.group(1)) for check in pd.read_csv(path).check
+              if (m := re.search(r"caching-allocator model.*fragmentation ([0-9.]+)", check))]
+    return max(shares) if shares else None
+
+
 def run(out: Path, quick: bool, results: Path) -> dict:
     frame, fit = fit_layer(QUICK_GRID if quick else GRID)
     frame.to_csv(out / "layer_fit.csv", index=False)
@@ -163,8 +179,13 @@ def run(out: Path, quick: bool, results: Path) -> dict:
     rows = [gap_row(study, case, paper_b, family, searches.loc[case.name], fit)
             for study, case, paper_b, family in search_cases(quick=False) if case.name in searches.index]
     gap = pd.DataFrame(rows)
+    cuda = cuda_fragmentation(results)
+    if cuda is not None:   # the same remainder with CUDA's share in place of the CPU model's
+        usable = Assumptions().device_bytes - Assumptions().context_bytes
+        gap["cuda_fragmentation"] = cuda
+        gap["unexplained_gb_at_cuda_share"] = gap.unexplained_gb - (cuda - gap.fragmentation) * usable / 1e9
     gap.to_csv(out / "gap.csv", index=False)
-    return {"fit": fit, "layers": frame, "gap": gap}
+    return {"fit": fit, "layers": frame, "gap": gap, "cuda_fragmentation": cuda}
 
 
 def write_report(out: Path, found: dict, meta: dict) -> list[dict]:
@@ -193,6 +214,16 @@ def write_report(out: Path, found: dict, meta: dict) -> list[dict]:
         "Named but not measurable here, so left in `unexplained_gb`: NCCL's buffers, cuBLAS/cuDNN workspaces beyond "
         "the chosen context, the temporaries of 2019 apex's optimizer, and a batch per GPU larger than the one "
         "chosen.", ""]
+    cuda = found["cuda_fragmentation"]
+    if cuda is not None:
+        lines += ["## At CUDA's measured share instead", "",
+                  f"The GPU check measured {cuda:.1%} fragmentation with CUDA's own caching allocator "
+                  "(results/gpu/engine_check.csv: a small engine on the lent H200, not a paper-scale model), against "
+                  "the CPU trace model's share per case above. At that share the remainder is:", "",
+                  markdown.table(gap[["case", "fragmentation", "cuda_fragmentation", "unexplained_gb",
+                                      "unexplained_gb_at_cuda_share"]].assign(
+                      fragmentation=gap.fragmentation.map("{:.2%}".format),
+                      cuda_fragmentation=gap.cuda_fragmentation.map("{:.2%}".format)), cell=fmt), ""]
     (out / "REPORT.md").write_text("\n".join(lines))
     headline = []
     for study, rows in gap.groupby("study", sort=False):
@@ -201,7 +232,9 @@ def write_report(out: Path, found: dict, meta: dict) -> list[dict]:
             "paper": f"{len(rows)} points", "ours": f"gap {rows.gap_gb.min():.1f} to {rows.gap_gb.max():.1f} GB; "
             f"after the measured layer term {rows.unexplained_gb.min():.1f} to {rows.unexplained_gb.max():.1f} GB",
             "error": f"unexplained {rows.unexplained_pct_of_device.min():.0f}% to "
-                     f"{rows.unexplained_pct_of_device.max():.0f}% of the device",
+                     f"{rows.unexplained_pct_of_device.max():.0f}% of the device"
+                     + (f"; at CUDA's {cuda:.1%}: {rows.unexplained_gb_at_cuda_share.min():.1f} to "
+                        f"{rows.unexplained_gb_at_cuda_share.max():.1f} GB" if cuda is not None else ""),
             "how": "analysis at the paper's Ψ + layer measured (MemTracker)"})
     return headline
 
