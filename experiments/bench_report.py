@@ -2,19 +2,17 @@
 table bench.csv and every run kept in history/bench.csv, drawn from the run's JSON (``run.json``)
 and the baseline it was gated against; the headline rows of `zero-ref reproduce`.
 
-    python -m experiments.bench_report [--out results/benchmarks]   # redraw from run.json
+    zero-ref reproduce --redraw benchmarks   # draw again from the tables, measuring nothing
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pandas as pd
 
 from experiments.markdown import table
-from experiments.provenance import ROOT
 from experiments.run_history import described, keep, spread
 
 KEYS = ["model", "world_size", "stage", "checks"]
@@ -124,13 +122,3 @@ def render(out: Path) -> list[dict]:
     history = spread(keep(out, "bench.csv", meta), KEYS, "ratio_to_ddp")
     (out / "REPORT.md").write_text(report(out, run, meta, history))
     return headline([b["extra_info"] for b in run["benchmarks"]], meta["exit_status"])
-
-
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description="Redraw the scaling suite's REPORT.md from the last run's JSON")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "benchmarks")
-    return render(parser.parse_args(argv).out)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,19 +1,17 @@
 """bench_step.py's outputs: its tables (written by the run), and its report step (``render``): the
 bar plot, REPORT.md and the headline rows, drawn from the tables, with every run kept in history/.
 
-    python -m experiments.bench_step_report [--out results/bench_step]   # redraw from the tables
+    zero-ref reproduce --redraw bench_step   # draw again from the tables, measuring nothing
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
 
 import pandas as pd
 
-from experiments.provenance import ROOT
 from experiments.run_history import described, keep, spread
 
 
@@ -171,13 +169,3 @@ def print_table(rows) -> None:
           "busiest rank (all its threads) over DDP's;\nquiet: median over the steps during which other "
           "processes took < --quiet-threshold of the machine, over DDP's (n quiet steps: "
           + ", ".join(f"{r['system']} {r['quiet_steps']}" for r in rows) + ")")
-
-
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description="Redraw bench_step's plot and REPORT.md from the tables of its last run")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench_step")
-    return render(parser.parse_args(argv).out)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,19 +2,17 @@
 experiments/bench_kernels.py left (bench.csv, meta.json), every run kept in history/bench.csv,
 and the headline rows `zero-ref reproduce` shows.
 
-    python -m experiments.kernels_report [--out results/kernels]   # redraw from the tables
+    zero-ref reproduce --redraw kernels   # draw again from the tables, measuring nothing
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pandas as pd
 
 from experiments.paper_values import NOT_AN_ERROR
-from experiments.provenance import ROOT
 from experiments.run_history import described, keep, spread
 
 
@@ -76,13 +74,3 @@ def render(out: Path) -> list[dict]:
              "paper": "memory-bound: time set by bytes moved (Sec 3)",
              "ours": f"{r.gbps:.1f} GB/s = {r.frac_copy_bw:.2f} of copy bandwidth",
              "error": NOT_AN_ERROR, "how": "real run"} for r in frame.itertuples() if r.op == "adamw_step"]
-
-
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description="Redraw the kernel benchmark's plot and README.md from its tables")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "kernels")
-    return render(parser.parse_args(argv).out)
-
-
-if __name__ == "__main__":
-    main()

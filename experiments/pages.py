@@ -71,7 +71,8 @@ def _zero_r(results: Path) -> dict:
 
 
 def _times(results: Path) -> dict:
-    """How long the two README commands take: the reproduce run that ran the most studies
+    """How long the two README commands take: a first run of every study (the sum of each study's
+    last time, from its headline.json), the reproduce run that ran the most studies
     (results/runs.jsonl, every run of reproduce) and the suite (results/suite, written by
     experiments/suite_time.py)."""
     log = results / "runs.jsonl"
@@ -87,7 +88,13 @@ def _times(results: Path) -> dict:
         reproduce = (minutes(largest["seconds"]) + f" for {count} studies"
                      + (f" (of the {len(STUDIES)} there are now)" if count < len(STUDIES) else "")
                      + f" as `{largest['command']}`")
-    return {"reproduce": reproduce, "suite": minutes(tiers.get("all")), "fast": minutes(tiers.get("fast"))}
+    seconds = {name: json.loads((results / name / "headline.json").read_text()).get("seconds")
+               for name in STUDIES if (results / name / "headline.json").exists()}
+    timed = [s for s in seconds.values() if s is not None]
+    first_run = (minutes(sum(timed)) + ", the sum of each study's last time"
+                 + ("" if len(timed) == len(STUDIES) else f" ({len(timed)} of {len(STUDIES)} studies timed so far)"))
+    return {"reproduce": reproduce, "suite": minutes(tiers.get("all")), "fast": minutes(tiers.get("fast")),
+            "first_run": first_run}
 
 
 def values(results: Path) -> dict:

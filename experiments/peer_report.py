@@ -1,12 +1,11 @@
 """The peers study's report step (experiments/peers.py measures): REPORT.md and peers.png, drawn
 from its table (peers.csv), its goal checks (in meta.json) and every run kept in history/.
 
-    python -m experiments.peer_report [--out results/peers]   # redraw from the tables
+    zero-ref reproduce --redraw peers   # draw again from the tables, measuring nothing
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -14,7 +13,6 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.peer_systems import CONTENDERS
-from experiments.provenance import ROOT
 from experiments.run_history import described, keep, spread
 
 
@@ -228,13 +226,3 @@ def render(out: Path) -> list[dict]:
     plot(out / "peers.png", frame, meta)
     (out / "REPORT.md").write_text(report(frame, meta["goal_check"], meta, history))
     return headline(meta["goal_check"])
-
-
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description="Redraw the peers study's plot and REPORT.md from its tables")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "peers")
-    return render(parser.parse_args(argv).out)
-
-
-if __name__ == "__main__":
-    main()

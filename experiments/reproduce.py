@@ -16,6 +16,7 @@ stale, and renders the pages that quote results (README.md, docs/); a summary ta
     python -m experiments.reproduce --quick    # fewer cases, traces and real runs; none of FULL_ONLY
     python -m experiments.reproduce --only throughput    # consider one study
     python -m experiments.reproduce --jobs 2   # the untimed studies two at a time
+    python -m experiments.reproduce --redraw peers   # a study's plots and report from its tables, no run
 
 How long a run takes is recorded where it ran, never copied here: ``seconds`` in results/meta.json
 (the whole run, with the studies it ran) and in each results/<study>/headline.json (that study).
@@ -264,6 +265,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--only", choices=sorted(STUDIES), nargs="+", metavar="STUDY",
                         help="consider only these studies (the others keep their last headline rows in REPORT.md, "
                              f"marked stale where they are): {', '.join(STUDIES)}")
+    parser.add_argument("--redraw", choices=sorted(REPORTS), nargs="+", metavar="STUDY",
+                        help="draw these studies' plots and reports again from the tables of their last run, "
+                             f"measuring nothing (studies with a report step: {', '.join(REPORTS)})")
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="run the untimed studies N at a time, each in its own process (default 1; the timed "
                              f"studies, {', '.join(sorted(TIMED))}, always run alone)")
@@ -273,6 +277,12 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     names = args.only or [name for name in STUDIES if not (args.quick and name in FULL_ONLY)]
     todo, keys, why, to_redraw = plan(names, args.out, args.quick, args.force)
+    if args.redraw:   # only these, from their tables; the keys are those their tables were made with
+        keys = current_keys(args.out)
+        todo, to_redraw = [], [name for name in args.redraw if (args.out / name / "headline.json").exists()]
+        missing = sorted(set(args.redraw) - set(to_redraw))
+        if missing:
+            parser.error(f"--redraw {' '.join(missing)}: no tables under {args.out} (run the study first)")
     args.out.mkdir(parents=True, exist_ok=True)
     if (args.out / "meta.json").exists():   # a run made before the log was kept
         log_run(args.out, json.loads((args.out / "meta.json").read_text()))
@@ -283,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
     finally:   # what finished is kept, in REPORT.md too, even when a study failed
         why = {name: changes(stored_key(args.out, name), keys[name]) for name in STUDIES}
         meta = provenance() | {"quick": args.quick, "seconds": round(time.perf_counter() - start, 1),
-                               "studies": sorted(name for name in todo if not why[name]), "registry": list(STUDIES)}
+                               "studies": sorted(name for name in todo if not why[name]), "registry": list(STUDIES),
+                               "redrawn": to_redraw}
         (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         log_run(args.out, meta)
         path = render_pages(args.out)

@@ -1,7 +1,6 @@
 """The throughput study's report step: results/throughput/'s plots, REPORT.md and headline rows.
 
-    python -m experiments.throughput_report [--out results/throughput]   # redraw from the tables
-
+    zero-ref reproduce --redraw throughput   # draw again from the tables, measuring nothing
 experiments/throughput_study.py measures (calibration, validation against timed runs, superlinear
 scaling at our scale; experiments/paper_projection.py's Figures 2, 3, 4, 8 on the paper's
 machine) and writes the tables; this module draws the figures in the paper's style from them,
@@ -10,7 +9,6 @@ keeps every run's validation and superlinear tables in history/, and writes the 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 from pathlib import Path
@@ -24,7 +22,6 @@ import seaborn as sns  # noqa: E402
 
 from experiments import markdown, paper_projection  # noqa: E402
 from experiments.paper_values import paper_runs, rows  # noqa: E402
-from experiments.provenance import ROOT  # noqa: E402
 from experiments.run_history import described, keep, spread  # noqa: E402
 from zero_ref.analysis import memory_model as mm  # noqa: E402
 from zero_ref.analysis import perf_model as pm  # noqa: E402
@@ -431,13 +428,3 @@ def render(out: Path) -> list[dict]:
     plot_paper_figures(out, frame, fig3)
     plot_our_scale(out, checks, scaling)
     return write_report(out, checks, scaling, frame, fig3, meta, kept)
-
-
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "throughput")
-    return render(parser.parse_args(argv).out)
-
-
-if __name__ == "__main__":
-    main()

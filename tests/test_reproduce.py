@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from experiments import study_key
-from experiments.provenance import ROOT
+from experiments.provenance import ROOT, provenance
 
 FAST = ["activations", "gpu"]
 
@@ -118,7 +118,7 @@ def test_a_change_to_the_report_step_alone_redraws_from_the_tables(tmp_path, mon
     for name in ("bench.csv", "meta.json"):
         shutil.copy(ROOT / "results" / "kernels" / name, out / "kernels" / name)
     key = current_keys(out, quick=False)["kernels"]
-    (out / "kernels" / "headline.json").write_text(json.dumps({"headline": [], "key": key}))
+    (out / "kernels" / "headline.json").write_text(json.dumps({"headline": [], "key": key, **provenance()}))
     assert reproduce.plan(["kernels"], out, False, force=False)[::3] == ([], [])   # current
 
     report = tree / "experiments" / "kernels_report.py"
@@ -133,3 +133,7 @@ def test_a_change_to_the_report_step_alone_redraws_from_the_tables(tmp_path, mon
     history = (out / "kernels" / "history" / "bench.csv").read_text().splitlines()
     assert len(history) == len((out / "kernels" / "bench.csv").read_text().splitlines())   # one header, one run
     assert reproduce.plan(["kernels"], out, False, force=False)[::3] == ([], [])
+    done = reproduce.main(["--out", str(out), "--quiet", "--redraw", "kernels"])   # on demand, from the CLI
+    assert done["ran"] == [] and done["redrawn"] == ["kernels"]
+    with pytest.raises(SystemExit):   # no tables to draw
+        reproduce.main(["--out", str(out), "--quiet", "--redraw", "peers"])
