@@ -67,9 +67,10 @@ def redraw(folder: str, out: Path, key: dict) -> list[dict]:
     rows = importlib.import_module(REPORTS[folder]).render(out / folder)
     path = out / folder / "headline.json"
     record = json.loads(path.read_text())
-    stored = record["key"] | {"report": key["report"]}
-    record.update(headline=rows, key=stored | {"digest": digest(stored)},
-                  redrawn={k: v for k, v in provenance().items() if k != "hardware"})
+    if record.get("key"):   # results made before keys were kept stay without one: stale, whatever is drawn
+        stored = record["key"] | {"report": key["report"]}
+        record["key"] = stored | {"digest": digest(stored)}
+    record.update(headline=rows, redrawn={k: v for k, v in provenance().items() if k != "hardware"})
     path.write_text(json.dumps(record, indent=1) + "\n")
     return rows
 
