@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import pandas as pd
 from tqdm import tqdm
@@ -36,8 +37,14 @@ from zero_ref.analysis import caching_allocator
 from zero_ref.analysis import perf_model as pm
 from zero_ref.analysis.at_scale import ModelShape
 
-FRAGMENTATION_MEASURED = 0.015
-"""The largest allocator fragmentation the fragmentation study measured at the paper's scale (1.5%)."""
+def measured_fragmentation(results: Path) -> float:
+    """The largest fragmentation share the fragmentation study measured at the paper's scale
+    (``results``/fragmentation/searches.csv, every case), which the memory terms here use."""
+    path = results / "fragmentation" / "searches.csv"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: the projection's memory terms use the share the "
+                                "fragmentation study measured; run it first (zero-ref reproduce --only fragmentation)")
+    return float(pd.read_csv(path).fragmentation.max())
 
 COMPUTE_LIMITED = {"Fig 2": lambda r: r["system"] == "ZeRO" and r["label"] in ("40B", "60B", "80B", "100B"),
                    "Fig 3": lambda r: r["gpus"] >= 128,
@@ -75,19 +82,19 @@ def predict_run(run: dict, cluster: pm.Cluster = pm.V100_DGX2, batch: int | None
     return pm.predict(spec, cluster)
 
 
-def memory_gb(run: dict, batch: int | None = None) -> float:
-    """The memory study's accounting of the run on one GPU (GB), measured fragmentation included."""
+def memory_gb(run: dict, fragmentation: float, batch: int | None = None) -> float:
+    """The memory study's accounting of the run on one GPU (GB), the measured ``fragmentation`` share included."""
     stage, checkpoints = system_of(run)
-    a = Assumptions(fragmentation=FRAGMENTATION_MEASURED)
+    a = Assumptions(fragmentation=fragmentation)
     case = Case(run["label"], stage, run["dp"], run["mp"], batch or run["batch_per_gpu"], checkpoints)
     terms = per_gpu_bytes(ModelShape(run["layers"], run["hidden"], run["heads"]), case, a)
     return (terms["total"] / (1 - a.fragmentation) + a.context_bytes) / 1e9
 
 
-def largest_batch(run: dict, device_gb: float = 32 * 2**30 / 1e9) -> int:
+def largest_batch(run: dict, fragmentation: float, device_gb: float = 32 * 2**30 / 1e9) -> int:
     """The largest batch per GPU whose accounting fits a 32 GB V100."""
     batch = 0
-    while memory_gb(run, batch + 1) <= device_gb and batch < 512:
+    while memory_gb(run, fragmentation, batch + 1) <= device_gb and batch < 512:
         batch += 1
     return batch
 
@@ -139,10 +146,10 @@ def pressures(runs: list[dict], workers: int | None = None, quiet: bool = False)
     return [futures[case].result() for case in cases]
 
 
-def projections(trace_memory: bool = True, quiet: bool = False) -> pd.DataFrame:
-    """One row per paper run: the model's TFLOPS per GPU beside the paper's, the terms, memory and
-    (``trace_memory``: about 6 minutes on two cores) the memory-pressure term measured on the run's
-    trace."""
+def projections(fragmentation: float, trace_memory: bool = True, quiet: bool = False) -> pd.DataFrame:
+    """One row per paper run: the model's TFLOPS per GPU beside the paper's, the terms, memory (at
+    the measured ``fragmentation`` share) and (``trace_memory``: minutes on two cores) the
+    memory-pressure term measured on the run's trace."""
     runs = paper_runs()
     untraced = {"trace_reserved_gb": None, "alloc_retries_per_step": None}
     pressure = pressures(runs, quiet=quiet) if trace_memory else [untraced] * len(runs)
@@ -157,7 +164,8 @@ def projections(trace_memory: bool = True, quiet: bool = False) -> pd.DataFrame:
                      "error_pct": 100 * (p.tflops / paper - 1) if paper else None,
                      "goal_pct": (15 if limited else 30) if paper else None,
                      "step_s": p.seconds, **{f"{k}_s": v for k, v in p.terms.items()},
-                     "memory_gb": memory_gb(run), "largest_batch_32gb": largest_batch(run), **measured})
+                     "memory_gb": memory_gb(run, fragmentation),
+                     "largest_batch_32gb": largest_batch(run, fragmentation), **measured})
     frame = pd.DataFrame(rows)
     frame["within_goal"] = frame.error_pct.abs() <= frame.goal_pct
     return frame

@@ -40,7 +40,7 @@ DATA = {
 }
 """module -> folders (or files) it reads besides code, hashed into the key of every study that reaches it."""
 
-READS = {"scaling_curves": ("benchmarks",), "gpu": ("throughput",), "memory_gap": ("fragmentation", "gpu"),
+READS = {"scaling_curves": ("benchmarks",), "gpu": ("throughput",), "throughput": ("fragmentation",), "memory_gap": ("fragmentation", "gpu"),
          "zero_r": ("fragmentation",)}
 """study -> the studies whose results it reads: their stored keys and run dates enter its key, so a
 rerun of one marks the other stale, and reproduce runs it after them."""

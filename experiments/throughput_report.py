@@ -251,7 +251,7 @@ def write_report(out: Path, checks: pd.DataFrame, scaling: pd.DataFrame, frame: 
         *[f"- `{k}`: {v}" for k, v in v100.sources.items()], "",
         "Data-parallel traffic per step: the real engine at scale (one step on meta tensors as one rank of a "
         "fake group of Nd ranks), counted below the engine. `memory_gb`: the memory study's accounting of the "
-        f"run (fragmentation {paper_projection.FRAGMENTATION_MEASURED:.1%}, the largest the fragmentation study "
+        f"run (fragmentation {meta['fragmentation']:.2%}, the largest the fragmentation study "
         "measured); `largest_batch_32gb`: the "
         "largest batch per GPU it lets fit a 32 GB V100.", "",
         f"Goals (the issue): compute/communication-limited points within 15%: **{int(limited.within_goal.sum())} of "

@@ -200,11 +200,13 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
     table and meta.json in ``out``; throughput_report.render draws them and gives the headline rows."""
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
+    fragmentation = paper_projection.measured_fragmentation(out.parent)
     study = run(out, quick)
-    frame = paper_projection.projections(trace_memory=not quick, quiet=quiet)
+    frame = paper_projection.projections(fragmentation, trace_memory=not quick, quiet=quiet)
     frame.to_csv(out / "paper_projection.csv", index=False)
     paper_projection.superlinear_mechanism(frame).to_csv(out / "fig3_mechanism.csv", index=False)
     meta = provenance() | {"quick": quick, "seconds": round(time.perf_counter() - start, 1), "vocab": VOCAB,
+                           "fragmentation": fragmentation,
                            "calibration_seconds": round(study["calibration"]["seconds"], 1)}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return {"meta": meta}

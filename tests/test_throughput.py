@@ -9,6 +9,7 @@ import functools
 import json
 import math
 
+import pandas as pd
 import pytest
 import torch
 
@@ -432,3 +433,16 @@ def test_forward_and_backward_are_timed_apart_in_the_same_iterations():
     x = torch.ones(3, requires_grad=True)
     forward, backward = calibrate.forward_backward_seconds(lambda: SlowBackward.apply(x), torch.device("cpu"), 3)
     assert 0.01 <= forward < backward and backward >= 0.04
+
+
+def test_the_projection_uses_the_fragmentation_the_study_measured(tmp_path):
+    """The memory terms of the projection take the largest share in the fragmentation study's
+    searches.csv (not a number copied into the code); without that file it says what to run."""
+    (tmp_path / "fragmentation").mkdir()
+    pd.DataFrame({"case": ["a", "b"], "fragmentation": [0.004, 0.0276]}).to_csv(
+        tmp_path / "fragmentation" / "searches.csv", index=False)
+    assert paper_projection.measured_fragmentation(tmp_path) == 0.0276
+    run = next(r for r in paper_runs() if r["figure"] == "Fig 4")
+    assert paper_projection.memory_gb(run, 0.0276) > paper_projection.memory_gb(run, 0.004)
+    with pytest.raises(FileNotFoundError, match="zero-ref reproduce --only fragmentation"):
+        paper_projection.measured_fragmentation(tmp_path / "nowhere")
