@@ -40,13 +40,14 @@ from tqdm import tqdm
 from experiments.provenance import ROOT, provenance
 from experiments.pages import render_pages
 from experiments.studies import FULL_ONLY, REPORTS, STUDIES, TIMED, current_keys
-from experiments.study_key import READS, changes, digest, stored_key
+from experiments.study_key import READS, changes, stored_key, with_reads_now
 
 def _run_study(folder: str, out: Path, quick: bool, key: dict, log: Path) -> dict:
     """Run one study into ``out/folder`` in this process, its output (this process's and its
     children's, profiler lines included) going to ``log``; save its headline rows with their key,
     provenance and time."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    key = with_reads_now(folder, key, out)   # planned before what it reads ran: read it as it is now
     with open(log, "w") as sink:
         os.dup2(sink.fileno(), 1)
         os.dup2(sink.fileno(), 2)
@@ -63,13 +64,14 @@ def _run_study(folder: str, out: Path, quick: bool, key: dict, log: Path) -> dic
 def redraw(folder: str, out: Path, key: dict) -> list[dict]:
     """Run ``folder``'s report step alone on the tables its last run left (its measurement is
     current; only the report step's code changed), and store the report part of ``key`` beside the
-    measured parts the run stored, with when it was redrawn."""
+    measured parts the run stored, with when it was redrawn. The stored ``digest`` stays the one the
+    run made: a study that reads this one (``study_key.READS``) is not made stale by a redraw."""
     rows = importlib.import_module(REPORTS[folder]).render(out / folder)
     path = out / folder / "headline.json"
     record = json.loads(path.read_text())
     if record.get("key"):   # results made before keys were kept stay without one: stale, whatever is drawn
-        stored = record["key"] | {"report": key["report"]}
-        record["key"] = stored | {"digest": digest(stored)}
+        # the digest stays the measured one: the studies that read this one's tables read the same tables
+        record["key"] = record["key"] | {"report": key["report"]}
     record.update(headline=rows, redrawn={k: v for k, v in provenance().items() if k != "hardware"})
     path.write_text(json.dumps(record, indent=1) + "\n")
     return rows

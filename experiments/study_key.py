@@ -186,15 +186,27 @@ def study_key(study: str, module: str, quick: bool, out: Path, env: dict | None 
               report: str | None = None) -> dict:
     """The key ``study`` (run by ``module``, its tables drawn and reported by ``report`` when it has
     a report step of its own) would have if it ran now with ``quick`` into ``out``."""
+    key = {"files": file_hashes(module, (report,) if report else ()), "args": {"quick": quick},
+           "env": env or environment(), "reads": reads(study, out), "report": file_hashes(report) if report else {}}
+    key["digest"] = digest(key)
+    return key
+
+
+def reads(study: str, out: Path) -> dict:
+    """The key's "reads" part: for each study ``study`` reads (``READS``), the digest and date of
+    the results now in ``out``. Taken when ``study`` starts, after what it reads has run."""
     inputs = {}
     for other in READS.get(study, ()):
         path = out / other / "headline.json"
         record = json.loads(path.read_text()) if path.exists() else {}
         inputs[other] = {"digest": (record.get("key") or {}).get("digest"), "date_utc": record.get("date_utc")}
-    key = {"files": file_hashes(module, (report,) if report else ()), "args": {"quick": quick},
-           "env": env or environment(), "reads": inputs, "report": file_hashes(report) if report else {}}
-    key["digest"] = digest(key)
-    return key
+    return inputs
+
+
+def with_reads_now(study: str, key: dict, out: Path) -> dict:
+    """``key`` with its "reads" part (and digest) as the results in ``out`` are now."""
+    fresh = key | {"reads": reads(study, out)}
+    return fresh | {"digest": digest(fresh)}
 
 
 def digest(key: dict) -> str:

@@ -89,7 +89,8 @@ def test_rerun_skips_current_studies_and_reruns_a_touched_one(tmp_path, monkeypa
 
 def test_a_study_that_reads_one_rerun_reruns_after_it(tmp_path):
     """scaling_curves reads benchmarks' results: when benchmarks reruns, scaling_curves is planned
-    too, and runs after it; so do memory_gap and zero_r after fragmentation."""
+    too, and runs after it; so do zero_r after fragmentation, throughput after it, gpu after throughput and
+    memory_gap after both fragmentation and gpu."""
     from experiments import reproduce
     from experiments.studies import current_keys
 
@@ -98,8 +99,15 @@ def test_a_study_that_reads_one_rerun_reruns_after_it(tmp_path):
     (tmp_path / "scaling_curves" / "headline.json").write_text(json.dumps({"headline": [], "key": key}))
     todo, _, why, _ = reproduce.plan(["scaling_curves", "benchmarks"], tmp_path, False, force=False)
     assert todo == ["benchmarks", "scaling_curves"] and why["scaling_curves"] == ["reads: benchmarks rerun now"]
+    # benchmarks then runs; scaling_curves, planned before, stores the reads as they are when it starts
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "headline.json").write_text(json.dumps(
+        {"headline": [], "key": {"digest": "new"}, "date_utc": "2026-12-07T17:00:00+00:00"}))
+    started = study_key.with_reads_now("scaling_curves", key, tmp_path)
+    assert started["reads"]["benchmarks"] == {"digest": "new", "date_utc": "2026-12-07T17:00:00+00:00"}
+    assert study_key.changes(started, current_keys(tmp_path, quick=False)["scaling_curves"]) == []
     assert reproduce._after_what_they_read(["zero_r", "memory_gap", "fragmentation", "gpu", "throughput"]) == \
-        ["fragmentation", "zero_r", "memory_gap", "throughput", "gpu"]
+        ["fragmentation", "zero_r", "throughput", "gpu", "memory_gap"]
 
 
 def test_a_change_to_the_report_step_alone_redraws_from_the_tables(tmp_path, monkeypatch):
@@ -128,6 +136,7 @@ def test_a_change_to_the_report_step_alone_redraws_from_the_tables(tmp_path, mon
     assert study_key.changes(key, keys["kernels"], ("report",)) == ["report changed: experiments/kernels_report.py"]
     for _ in range(2):   # twice: the run is kept once
         rows = reproduce.redraw("kernels", out, keys["kernels"])
+    assert study_key.stored_key(out, "kernels")["digest"] == key["digest"]   # readers of its tables stay current
     assert rows and all(r["item"].startswith("adamw_step") for r in rows)
     assert (out / "kernels" / "bench.png").exists() and "across runs" in (out / "kernels" / "README.md").read_text()
     history = (out / "kernels" / "history" / "bench.csv").read_text().splitlines()
