@@ -279,13 +279,14 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     start = time.perf_counter()
     names = args.only or [name for name in STUDIES if not (args.quick and name in FULL_ONLY)]
-    todo, keys, why, to_redraw = plan(names, args.out, args.quick, args.force)
     if args.redraw:   # only these, from their tables; the keys are those their tables were made with
-        keys = current_keys(args.out)
-        todo, to_redraw = [], [name for name in args.redraw if (args.out / name / "headline.json").exists()]
+        keys, todo = current_keys(args.out), []
+        to_redraw = [name for name in args.redraw if (args.out / name / "headline.json").exists()]
         missing = sorted(set(args.redraw) - set(to_redraw))
         if missing:
             parser.error(f"--redraw {' '.join(missing)}: no tables under {args.out} (run the study first)")
+    else:
+        todo, keys, _, to_redraw = plan(names, args.out, args.quick, args.force)
     args.out.mkdir(parents=True, exist_ok=True)
     if (args.out / "meta.json").exists():   # a run made before the log was kept
         log_run(args.out, json.loads((args.out / "meta.json").read_text()))
@@ -294,7 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
             redraw(name, args.out, keys[name])
         ran = run_studies(todo, args.out, args.quick, args.quiet, args.jobs, keys) if todo else {}
     finally:   # what finished is kept, in REPORT.md too, even when a study failed
-        why = {name: changes(stored_key(args.out, name), keys[name]) for name in STUDIES}
+        why = {name: changes(stored_key(args.out, name), with_reads_now(name, keys[name], args.out))
+               for name in STUDIES}   # a study that ran stored the reads it started with, not the planned ones
         meta = provenance() | {"quick": args.quick, "seconds": round(time.perf_counter() - start, 1),
                                "studies": sorted(name for name in todo if not why[name]), "registry": list(STUDIES),
                                "redrawn": to_redraw}
