@@ -1,6 +1,6 @@
 """How long the test suite takes here: the README quotes it from the file this script writes.
 
-Runs the README's test command (``python -m pytest -q``) and the fast tier (``-m "not slow"``) one
+Runs the README's test command (``python -m pytest -q -n 2``) and the fast tier (``-m "not slow"``) one
 after the other in fresh processes, and writes ``results/suite/suite_time.csv`` (tier, seconds,
 outcome line, exit status) with ``meta.json`` (command, revision, machine, date). Run it on a quiet
 machine, alone; it takes as long as the two runs.
@@ -22,7 +22,7 @@ import pandas as pd
 
 from experiments.provenance import ROOT, provenance
 
-TIERS = {"all": [], "fast": ["-m", "not slow"]}
+TIERS = {"all": ["-n", "2"], "fast": ["-m", "not slow", "-n", "2"]}
 """tier -> pytest arguments beyond ``-q``."""
 
 

@@ -8,6 +8,7 @@ fixture spawns ranks or runs studies, or a test that took 3 s or more.
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
 import sys
 from pathlib import Path
 
@@ -46,7 +47,11 @@ def _start_the_fork_server() -> None:
         multiprocessing.forkserver.ensure_running()
 
 
-_start_the_fork_server()
+def pytest_configure(config) -> None:
+    """Start the fork server where tests run: in this process, or under pytest-xdist (``-n 2``, the
+    README's command) in each worker, not in the controller, which runs none."""
+    if not getattr(config.option, "numprocesses", None) or os.environ.get("PYTEST_XDIST_WORKER"):
+        _start_the_fork_server()
 
 SLOW_MODULES = {
     "test_bench_suite",
@@ -93,7 +98,15 @@ SLOW_TESTS = {
 """Tests of other modules that took 3 s or more (a name without [...] marks every case of it)."""
 
 
+LONGEST_MODULE = "test_memory_study"
+"""The module whose shared fixture takes longest (a quick reproduce, about two minutes)."""
+
+
 def pytest_collection_modifyitems(items):
+    """Mark the slow tests, and run the slow modules first, the longest of all first: with two
+    workers (``-n 2``, each module on one) the long ones start early and the two end together."""
+    order = lambda item: (item.module.__name__ != LONGEST_MODULE, item.module.__name__ not in SLOW_MODULES)
+    items.sort(key=order)   # stable: within each group, the collection's order
     for item in items:
         name = item.nodeid.removeprefix("tests/")
         if item.module.__name__ in SLOW_MODULES or name in SLOW_TESTS or name.split("[")[0] in SLOW_TESTS:
