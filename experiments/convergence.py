@@ -280,8 +280,8 @@ def plan(quick: bool) -> list[Run]:
 
 
 def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
-    """Train every run of `plan(quick)` at world size 2, write the CSVs and meta.json into `out`,
-    then draw them (convergence_report.render: the plot, REPORT.md and the headline rows)."""
+    """Train every run of `plan(quick)` at world size 2, write the CSVs and meta.json into `out`;
+    convergence_report.render draws them (the plot, REPORT.md and the headline rows)."""
     from zero_ref.launch import spawn
     from zero_ref.models import ParallelGPT
 
@@ -297,13 +297,16 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
                            "settings": {d: asdict(s) for d, s in (QUICK if quick else SETTINGS).items()},
                            "exact_steps": EXACT_STEPS, "exact_tol": EXACT_TOL, "val_tol": VAL_TOL}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    from experiments.convergence_report import render
-
-    return {"headline": render(out), "meta": meta}
+    return {"meta": meta}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return study_main(run_study, "convergence", __doc__.splitlines()[0], "fp32 only, 60 steps", argv)
+    from experiments.convergence_report import render
+
+    def run_and_draw(out: Path, quick: bool, quiet: bool) -> dict:
+        return run_study(out, quick, quiet) | {"headline": render(out)}
+
+    return study_main(run_and_draw, "convergence", __doc__.splitlines()[0], "fp32 only, 60 steps", argv)
 
 
 if __name__ == "__main__":
