@@ -268,47 +268,6 @@ def summarize(steps: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def plot(out: Path, steps: pd.DataFrame) -> None:
-    """convergence.png, a row per dtype: training loss (20-step running mean), validation loss, and
-    |training loss - DDP's| per step on the same batches. DDP is black and dashed, drawn above the
-    stages; the yardsticks (DDP in fp32, DDP on other data orders) are grey."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    sns.set_theme(style="whitegrid")
-    dtypes = list(steps.dtype.unique())
-    fig, axes = plt.subplots(len(dtypes), 3, figsize=(16, 4.3 * len(dtypes)), squeeze=False)
-    stage_colours = dict(zip([f"stage {s}" for s in range(4)], sns.color_palette("tab10", 4)))
-    for row, dtype in zip(axes, dtypes):
-        runs = steps[steps.dtype == dtype]
-        train = runs.pivot(index="step", columns="system", values="train_loss").dropna(how="all")
-        val = runs.dropna(subset=["val_loss"]).pivot(index="step", columns="system", values="val_loss")
-        for system in [s for s in train.columns if s != "ddp"] + ["ddp"]:   # DDP last: on top
-            style = (dict(color="black", ls="--", lw=1.6, zorder=5) if system == "ddp" else
-                     dict(color=stage_colours[system], lw=2.4, alpha=0.8) if system in stage_colours else
-                     dict(color="0.45" if system == "ddp in fp32" else "0.7", ls="-." if system == "ddp in fp32" else ":", lw=1.2))
-            name = f"DDP ({dtype}, reference)" if system == "ddp" else system
-            row[0].plot(train.index, train[system].rolling(20, min_periods=1).mean(), label=name, **style)
-            row[1].plot(val.index, val[system], marker="o", ms=3, label=name, **style)
-            if system != "ddp" and "data seed" not in system:
-                row[2].semilogy(train.index, (train[system] - train["ddp"]).abs().clip(lower=1e-9), label=system,
-                                color=style["color"], lw=1)
-        if dtype == "fp32":
-            row[2].axhline(EXACT_TOL, color="red", ls=":", label=f"{EXACT_TOL:g} (first {EXACT_STEPS} steps)")
-            row[2].axvspan(0, EXACT_STEPS - 1, color="red", alpha=0.07)
-        row[0].set(title=f"{dtype}: training loss (20-step running mean)", xlabel="step", ylabel="loss (nats/byte)")
-        row[1].set(title=f"{dtype}: validation loss (held-out stdlib files)", xlabel="step", ylabel="loss (nats/byte)")
-        row[2].set(title=f"{dtype}: |training loss - DDP's| per step (0 drawn at 1e-9)", xlabel="step")
-        for ax in row:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "convergence.png", dpi=110)
-    plt.close(fig)
-
-
 def plan(quick: bool) -> list[Run]:
     """fp32: DDP and stages 0-3. bf16 (full runs only): the same, DDP in fp32 at the bf16 setting, and
     DDP on two other data orders (bf16 runs decorrelate within tens of steps, so these say how far
@@ -321,8 +280,8 @@ def plan(quick: bool) -> list[Run]:
 
 
 def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
-    """Train every run of `plan(quick)` at world size 2, write the CSVs, the plot, REPORT.md and
-    meta.json into `out`; return the headline rows for results/REPORT.md."""
+    """Train every run of `plan(quick)` at world size 2, write the CSVs and meta.json into `out`;
+    convergence_report.render draws them (the plot, REPORT.md and the headline rows)."""
     from zero_ref.launch import spawn
     from zero_ref.models import ParallelGPT
 
@@ -331,88 +290,23 @@ def run_study(out: Path, quick: bool = False, quiet: bool = False) -> dict:
     result = spawn(run_in_rank, 2, plan(quick), None, OPTIM, quiet, timeout=3600)[0]
     steps = pd.DataFrame(result["rows"])
     steps.to_csv(out / "convergence.csv", index=False)
-    summary = summarize(steps)
-    summary.to_csv(out / "summary.csv", index=False)
-    plot(out, steps)
+    summarize(steps).to_csv(out / "summary.csv", index=False)
     meta = provenance() | {"quick": quick, "seconds": round(time.perf_counter() - start, 1), "world_size": 2,
                            "backend": "gloo", "corpus": result["corpus"], "model": MODEL, "optimizer": OPTIM,
                            "params": sum(p.numel() for p in ParallelGPT(**MODEL).parameters()),
                            "settings": {d: asdict(s) for d, s in (QUICK if quick else SETTINGS).items()},
                            "exact_steps": EXACT_STEPS, "exact_tol": EXACT_TOL, "val_tol": VAL_TOL}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return {"headline": write_report(out, summary, meta), "meta": meta}
-
-
-def write_report(out: Path, summary: pd.DataFrame, meta: dict) -> list[dict]:
-    """REPORT.md from the summary and meta; the headline rows."""
-    from experiments.markdown import table
-
-    c, hw = meta["corpus"], meta["hardware"]
-    stages = summary[summary.system.str.startswith("stage")]
-    lines = [
-        "# Convergence on real text: ZeRO stages 0-3 train to DDP's loss", "",
-        f"Generated by `{meta['command']}` (quick={meta['quick']}) at git `{meta['git_revision']}` on {meta['date_utc']}, "
-        f"in {meta['seconds']:.0f} s on {hw['cores']} cores ({hw['cpu']}), torch {hw['torch']}. How and why: the "
-        "docstring of `experiments/convergence.py`.", "",
-        f"- **Text**: the Python {c['python']} standard library's `*.py` files ({c['files_total']} files, "
-        f"site-packages excluded, sorted by path), every 10th held out: {c['train_files']} files / {c['train_bytes']:,} "
-        f"bytes to train on, {c['val_files']} files / {c['val_bytes']:,} bytes to validate on (SHA-256 in meta.json). "
-        "Another Python version ships other text, so compare numbers from the same interpreter only.",
-        f"- **Model**: GPT-2-style decoder over bytes (`zero_ref.models.ParallelGPT` unsplit) {MODEL}, "
-        f"{meta['params']:,} parameters, one seed for every run.",
-        f"- **Training**: AdamW {OPTIM}, weight decay on 2-D weights (embeddings and tied head included), none on biases "
-        "and LayerNorms (two parameter groups); linear warmup then cosine decay to 10% by "
-        "`torch.optim.lr_scheduler.LambdaLR(engine.optimizer, ...)`; clipping at norm 1; world size 2 (gloo).",
-        "- **Reference**: `DistributedDataParallel` + `torch.optim.AdamW`, the same groups, LambdaLR, `clip_grad_norm_`, "
-        "seed and batches. bf16: DDP over a bf16 copy of the model (bf16 all-reduce) with fp32 master weights made "
-        "from the bf16-rounded ones and fp32 AdamW, which is zero_ref's recipe.", "",
-        "| dtype | steps | global batch x bytes | warmup | validation |", "|---|---|---|---|---|"]
-    for dtype, s in meta["settings"].items():
-        lines.append(f"| {dtype} | {s['steps']} | {s['global_batch']} x {s['seq']} | {s['warmup']} | "
-                     f"{s['val_windows']} windows every {s['eval_every']} steps |")
-    lines += ["", "## Results", "", table(summary, cell=_cell), ""]
-    fp32, first = stages[stages.dtype == "fp32"], f"max_abs_train_diff_first_{EXACT_STEPS}"
-    lines.append(
-        f"- fp32: every stage's training loss within {fp32[first].max():.1e} of DDP's over the first {EXACT_STEPS} "
-        f"steps (tolerance {EXACT_TOL:g}: {'pass' if (fp32.exact_pass == 'pass').all() else 'FAIL'}) and within "
-        f"{fp32.max_abs_train_diff.max():.1e} over the run; final validation losses within "
-        f"{fp32.val_rel_diff.abs().max():.1e} of DDP's, relative (tolerance {VAL_TOL['fp32']:.0%}). Equal up to rounding, "
-        "not to the bit: the engine's AdamW rounds some elements differently from torch's from the first update, and "
-        "Adam turns last-bit differences in tiny gradients into steps of the learning rate's size, so how long the "
-        "curves stay within 1e-5 depends on the learning rate (measured: the module docstring).")
-    bf16, yard = stages[stages.dtype == "bf16"], summary[summary.dtype == "bf16"].set_index("system")
-    if len(bf16):
-        other = yard[yard.index.str.contains("data seed")].val_rel_diff.abs()
-        worst, tol = bf16.val_rel_diff.abs().max(), VAL_TOL["bf16"]
-        lines.append(
-            f"- bf16: final validation losses within {worst:.1e} of bf16 DDP's, relative (tolerance {tol:.1%}). Not "
-            "equal step for step: bf16 keeps 8 significant bits and the engine rounds in another order than DDP "
-            "(bf16 buckets reduce-scattered or all-reduced, AdamW on flat fp32 shards), so training losses differ by "
-            f"up to {bf16.max_abs_train_diff.max():.1e} (right-hand panel). Why {tol:.1%}: a stage must land closer to "
-            f"DDP than equally valid runs do, with a margin: DDP on two other data orders lands {other.min():.1e} and "
-            f"{other.max():.1e} away ({other.min() / tol:.1f}x the tolerance), while the stages' rounding moved the "
-            f"loss {tol / max(worst, 1e-12):.0f}x less than the tolerance allows, and bf16 itself (DDP in fp32 on the "
-            f"same batches) by {abs(yard.loc['ddp in fp32', 'val_rel_diff']):.1e}.")
-    lines += ["", "![training and validation loss per dtype, DDP dashed above the stages](convergence.png)", ""]
-    (out / "REPORT.md").write_text("\n".join(lines) + "\n")
-    return [{"item": f"convergence on stdlib text, {r['system']}, {r['dtype']}, world 2, {r['steps']} steps",
-             "paper": "ZeRO-DP trains the same model as DP (Sec 5: it only partitions the states)",
-             "ours": f"val loss {r['final_val_loss']:.4f} vs DDP's {r['final_val_loss'] - r['val_diff']:.4f}" + (
-                 f"; first {EXACT_STEPS} training losses within {r[f'max_abs_train_diff_first_{EXACT_STEPS}']:.1e}"
-                 if r["dtype"] == "fp32" else ""),
-             "error": f"{r['val_rel_diff']:+.1e} (tol {VAL_TOL[r['dtype']] * 100:g}%): {r['val_pass']}"
-                      + (f"; exact: {r['exact_pass']}" if r["dtype"] == "fp32" else ""), "how": "real run"}
-            for r in stages.to_dict("records")]
-
-
-def _cell(value) -> str:
-    if isinstance(value, float):
-        return "" if value != value else f"{value:.6g}"
-    return "" if value is None else str(value)
+    return {"meta": meta}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return study_main(run_study, "convergence", __doc__.splitlines()[0], "fp32 only, 60 steps", argv)
+    from experiments.convergence_report import render
+
+    def run_and_draw(out: Path, quick: bool, quiet: bool) -> dict:
+        return run_study(out, quick, quiet) | {"headline": render(out)}
+
+    return study_main(run_and_draw, "convergence", __doc__.splitlines()[0], "fp32 only, 60 steps", argv)
 
 
 if __name__ == "__main__":

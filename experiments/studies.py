@@ -49,6 +49,8 @@ FULL_ONLY = {"bench_step", "kernels", "throughput", "benchmarks", "peers"}
 
 
 REPORTS = {
+    "convergence": "experiments.convergence_report",
+    "fragmentation": "experiments.fragmentation_report",
     "throughput": "experiments.throughput_report",
     "bench_step": "experiments.bench_step_report",
     "kernels": "experiments.kernels_report",

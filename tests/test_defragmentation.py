@@ -47,7 +47,7 @@ def test_blocks_split_merge_and_segments_are_released_under_pressure():
 
 
 def test_interleaving_fragments_and_grouping_long_lived_tensors_does_not():
-    from experiments.fragmentation_study import interleaved_example
+    from experiments.fragmentation_report import interleaved_example
 
     interleaved, grouped = interleaved_example(False), interleaved_example(True)
     assert ca.replay(interleaved).peak_requested == ca.replay(grouped).peak_requested == 36 * MiB
