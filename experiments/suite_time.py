@@ -2,7 +2,7 @@
 
 Runs the README's test command (``python -m pytest -q -n 2``) and the fast tier (``-m "not slow"``) one
 after the other in fresh processes, and writes ``results/suite/suite_time.csv`` (tier, seconds,
-outcome line, exit status) with ``meta.json`` (command, revision, machine, date). Run it on a quiet
+outcome line, exit status, failed tests) with ``meta.json`` (command, revision, machine, date). Run it on a quiet
 machine, alone; it takes as long as the two runs.
 
     python -m experiments.suite_time              # both tiers
@@ -27,14 +27,17 @@ TIERS = {"all": ["-n", "2"], "fast": ["-m", "not slow", "-n", "2"]}
 
 
 def time_tier(tier: str) -> dict:
-    """Run one tier of the suite in ``ROOT``; its wall time, the summary line and the exit status."""
+    """Run one tier of the suite in ``ROOT``; its wall time, the summary line, the exit status and
+    the tests that failed, if any (their ids, as pytest's short summary names them)."""
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TIERS[tier]], cwd=ROOT,
                           capture_output=True, text=True)
     seconds = time.perf_counter() - start
     lines = [line for line in done.stdout.splitlines() if " in " in line and ("passed" in line or "failed" in line)]
+    failed = [line.split(" - ")[0].removeprefix("FAILED ") for line in done.stdout.splitlines()
+              if line.startswith(("FAILED ", "ERROR "))]
     return {"tier": tier, "seconds": round(seconds, 1), "outcome": lines[-1].strip("= ") if lines else "no summary",
-            "exit_status": done.returncode}
+            "exit_status": done.returncode, "failed": "; ".join(failed)}
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -52,7 +55,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     (args.out / "meta.json").write_text(json.dumps(made | {"tiers": args.tiers}, indent=2) + "\n")
     print(table.to_string(index=False))
     if any(row["exit_status"] for row in rows):
-        sys.exit(f"the suite failed: {[row['outcome'] for row in rows]}")
+        sys.exit("the suite failed: " + "; ".join(f"{row['tier']}: {row['outcome']} ({row['failed']})"
+                                                  for row in rows if row["exit_status"]))
     return table
 
 

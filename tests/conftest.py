@@ -98,6 +98,17 @@ SLOW_TESTS = {
 """Tests of other modules that took 3 s or more (a name without [...] marks every case of it)."""
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``-n 2``), each test module runs on one worker, so that a module's shared
+    fixture (ranks spawned once, a quick reproduce) is built once. Set here rather than by
+    ``--dist loadfile`` in pyproject.toml: pytest-benchmark turns itself off wherever --dist is set,
+    and benchmarks/ is run by pytest from the same root."""
+    from xdist.scheduler import LoadFileScheduling
+
+    return LoadFileScheduling(config, log)
+
+
 LONGEST_MODULE = "test_memory_study"
 """The module whose shared fixture takes longest (a quick reproduce, about two minutes)."""
 

@@ -2,6 +2,7 @@
 committed baseline's exact quantities, and its gate fails an engine that was deliberately slowed."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -67,9 +68,11 @@ def test_smoke_of_the_suite_passes_its_gate_against_the_committed_baseline(tmp_p
     3 rounds. Against the committed baseline its bytes and elements must match exactly; time only
     within a doubled threshold, since 3 rounds on a shared CI machine say little."""
     out = tmp_path / "smoke.json"
+    # not as an xdist worker (`pytest -n 2`): pytest-benchmark turns itself off where it sees one
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST")}
     done = subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "benchmarks"), "--benchmark-only",
                            "--bench-smoke", "-q", "-p", "no:cacheprovider", "--gate-threshold=1.0",
-                           f"--benchmark-json={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           f"--benchmark-json={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     benchmarks = {b["name"]: b["extra_info"] for b in json.loads(out.read_text())["benchmarks"]}
     assert sorted(benchmarks) == sorted(f"test_step[S-nd2-stage{s}{c}]" for s in range(4) for c in ("", "-off"))

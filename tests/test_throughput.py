@@ -121,9 +121,14 @@ def test_a_timed_run_reports_phases_rates_memory_and_traffic(runs):
     assert any(k.startswith("wait_") for k in row)                   # the profiler saw the engine's waits
     assert 0 < row["profiled_optimizer_s"] < row["profiled_forward_s"] + row["profiled_backward_s"]
     assert row["wait_backward_reduce_scatter"] <= row["profiled_backward_s"]
-    # the CPU's peak is the engine's allocation trace of the same step on meta tensors (within a few %:
-    # a fake group's collectives complete at once, so stage 3's gathered buffers live a little longer)
-    assert row["peak_gb"] * 1e9 == pytest.approx(batch_search.step_peak_bytes(spec, 2, 3), rel=0.05)
+    # the CPU's peak is the engine's allocation trace of the same step on meta tensors, less a few %
+    # (a fake group's collectives complete at once, so stage 3's gathered buffers live a little
+    # longer), or more by up to one block's gradient buffer: on gloo a reduction's buffer is freed once
+    # a background wait sees it finish, later on a busy machine (measured +5.5%, 149,000 bytes, with
+    # another test module running beside this one)
+    traced = batch_search.step_peak_bytes(spec, 2, 3)
+    block_grads = 4 * (12 * 64**2 + 13 * 64)
+    assert 0.95 * traced <= row["peak_gb"] * 1e9 <= 1.05 * traced + block_grads, (row["peak_gb"], traced)
     assert row["first_step_peak_gb"] >= row["peak_gb"]
     assert (runs["out"] / "throughput.csv").read_text().count("\n") == 3    # header + two runs
 
