@@ -53,6 +53,7 @@ def pytest_configure(config) -> None:
     if not getattr(config.option, "numprocesses", None) or os.environ.get("PYTEST_XDIST_WORKER"):
         _start_the_fork_server()
 
+
 SLOW_MODULES = {
     "test_bench_suite",
     "test_call_sequences",
