@@ -30,8 +30,8 @@ medians over the quiet steps only (other processes took < --quiet-threshold of t
 Each system's losses are compared with DDP's step for step as a check that they train the same
 model (in fp32 they agree exactly: same reduction order, AdamW operation for operation).
 
-By default ``bucket_numel`` is 12 * hidden**2, about one transformer block, so stages 0-2 reduce in
-about one bucket per block and stage 3 gathers one block per unit.
+By default ``bucket_numel`` is one transformer block (``peer_systems.block_numel``: 12 h² + 13 h), so
+stages 0-2 reduce about one bucket per block and stage 3 gathers and reduces one block per unit.
 
 Outputs in ``--out`` (default results/bench_step): bench_step.csv (one row per system),
 bench_step_steps.csv (every timed step), meta.json, bench_step.png, REPORT.md; with
@@ -68,7 +68,7 @@ sys.path.insert(0, ROOT)
 import zero_ref  # noqa: E402
 from zero_ref.launch import spawn  # noqa: E402
 from zero_ref.models import lm_loss, tiny_gpt2, token_batches  # noqa: E402
-from experiments.peer_systems import EngineSystem, TorchSystem  # noqa: E402
+from experiments.peer_systems import EngineSystem, TorchSystem, block_numel  # noqa: E402
 from experiments.bench_step_report import draw, print_table, write_outputs  # noqa: E402
 from experiments.provenance import git_revision, hardware  # noqa: E402
 
@@ -354,7 +354,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences), split over ranks")
     parser.add_argument("--bucket-numel", type=int, default=None,
-                        help="zero_ref bucket_numel and DDP bucket size (default 12 * hidden**2, one block)")
+                        help="zero_ref bucket_numel and DDP bucket size (default one block: 12 hidden**2 + 13 hidden)")
     parser.add_argument("--quiet-threshold", type=float, default=0.05,
                         help="a step is quiet when other processes took less than this share of the machine")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -370,7 +370,7 @@ def main(argv=None) -> list[dict]:
     if args.rounds is None:
         args.rounds = args.steps
     if args.bucket_numel is None:
-        args.bucket_numel = 12 * args.hidden**2
+        args.bucket_numel = block_numel(args.hidden)
     if args.batch % args.world_size:
         parser.error(f"--batch {args.batch} must be divisible by --world-size {args.world_size}")
 

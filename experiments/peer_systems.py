@@ -70,6 +70,14 @@ from zero_ref.models import lm_loss, tiny_gpt2, token_batches
 
 
 # --- the study's fixed inputs -------------------------------------------------------------------
+def block_numel(hidden: int) -> int:
+    """Elements of one GPT-2 block of width `hidden`: 12 h² + 13 h (attention 4 h² + 4 h, MLP 8 h² + 5 h,
+    two LayerNorms 4 h). The timed runs' bucket_numel: one block is one bucket and one reduction (at
+    12 h², a few elements short of it, each block's reduce-scatter split off a second collective of
+    13 h / Nd columns), and at stage 3 one unit."""
+    return 12 * hidden**2 + 13 * hidden
+
+
 @dataclass(frozen=True)
 class Setup:
     """Model, data and optimizer, the same for every contender (pickled to the ranks)."""
@@ -85,7 +93,7 @@ class Setup:
     eps: float = 1e-8
     weight_decay: float = 0.01
     seed: int = 0
-    bucket_numel: int = 12 * 256**2  # zero-ref's bucket_numel, DDP's bucket, DeepSpeed release buckets
+    bucket_numel: int = block_numel(256)  # zero-ref's bucket_numel, DDP's bucket, DeepSpeed release buckets
     steps: int = 22                  # every step the contender will run (warm-up included)
 
     def model(self) -> torch.nn.Module:

@@ -50,7 +50,7 @@ from tqdm import tqdm
 from experiments.bench_scaling import FIRST_STEPS, median_ci
 from experiments.peer_report import PAPER_ELEMENTS, render
 from experiments.peer_runs import groups, repeatable, run_world
-from experiments.peer_systems import CONTENDERS, Setup, deepspeed_config, resolved_settings, versions
+from experiments.peer_systems import CONTENDERS, Setup, block_numel, deepspeed_config, resolved_settings, versions
 from experiments.provenance import ROOT, provenance
 from zero_ref.analysis.memory_model import model_state_bytes
 
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seq", type=int, default=Setup.seq)
     parser.add_argument("--batch", type=int, default=Setup.batch, help="global batch (sequences), split over ranks")
     parser.add_argument("--bucket-numel", type=int, default=None, help="zero-ref's bucket_numel, DDP's bucket and "
-                        "DeepSpeed's buckets where set (default 12 * hidden**2: about one block)")
+                        "DeepSpeed's buckets where set (default one block: 12 hidden**2 + 13 hidden)")
     parser.add_argument("--lr", type=float, default=Setup.lr)
     parser.add_argument("--weight-decay", type=float, default=Setup.weight_decay)
     parser.add_argument("--seed", type=int, default=Setup.seed)
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     names = ["ddp"] + [n for n in args.contenders if n != "ddp"]
     setup = Setup(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq=args.seq,
                   batch=args.batch, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
-                  bucket_numel=args.bucket_numel or 12 * args.hidden**2,
+                  bucket_numel=args.bucket_numel or block_numel(args.hidden),
                   steps=args.warmup + math.ceil(args.steps / args.blocks))
     psi = sum(p.numel() for p in setup.model().parameters())
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))

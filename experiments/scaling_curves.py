@@ -47,6 +47,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
+from experiments.peer_systems import block_numel
 from experiments.provenance import ROOT, provenance
 from experiments.scaling_curves_report import render
 from zero_ref.analysis import memory_model as mm
@@ -84,8 +85,8 @@ class GPT2Size:
 
     @property
     def bucket_numel(self) -> int:
-        """The engine's bucket size in the suite: 12 h², about one transformer block per bucket."""
-        return 12 * self.hidden ** 2
+        """The engine's bucket size in the suite: one transformer block per bucket (and stage-3 unit)."""
+        return block_numel(self.hidden)
 
     def config(self, stage: int) -> ZeroConfig:
         """The engine's configuration in the suite and in the sweep (fp32, torch kernels)."""

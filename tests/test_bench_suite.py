@@ -12,6 +12,8 @@ import pandas as pd
 import pytest
 
 from experiments.bench_scaling import BenchRank, BenchSpec, gate, measure, median_ci
+from experiments.peer_systems import Setup, block_numel
+from experiments.scaling_curves import MODELS
 from zero_ref.launch import RankPool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +31,15 @@ class SlowBenchRank(BenchRank):
         if name != "ddp":
             time.sleep(self.slowdown_s)
         return super()._train_step(name)
+
+
+def test_the_suite_bucket_is_one_whole_block():
+    """The timed runs' bucket_numel is a GPT-2 block's element count (one bucket, one reduction and
+    one stage-3 unit per block), for every model of the suite and the peers' default."""
+    for size in MODELS.values():
+        block = size.build().transformer.h[0]
+        assert size.bucket_numel == block_numel(size.hidden) == sum(p.numel() for p in block.parameters())
+    assert Setup().bucket_numel == block_numel(Setup().hidden)
 
 
 def test_median_interval_is_distribution_free():
