@@ -1,9 +1,9 @@
 """The scaling curves' plots and REPORT.md, from the frames and meta.json that experiments/scaling_curves.py
-measured and passes in (it calls these; nothing here imports it back)."""
+measured and passes in (it calls these; nothing here imports it back). Redraw without measuring:
+`zero-ref reproduce --redraw scaling_curves`."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import numbers
 from pathlib import Path
@@ -11,7 +11,6 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.markdown import table
-from experiments.provenance import ROOT
 from zero_ref.analysis import memory_model as mm
 
 
@@ -254,13 +253,3 @@ def render(out: Path) -> list[dict]:
     check = pd.read_csv(out / "scaling_check.csv", keep_default_na=False) if real is not None else None
     written = plots(out, at_scale, real, meta["psi_nd"])
     return write_report(out, at_scale, real, check, meta["psi_nd"], meta | {"plots": written})
-
-
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description="Redraw the scaling curves and REPORT.md from the tables of the last run")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "scaling_curves")
-    return render(parser.parse_args(argv).out)
-
-
-if __name__ == "__main__":
-    main()
