@@ -2,8 +2,8 @@
 
 Runs the README's test command (``python -m pytest -q -n 2``) and the fast tier (``-m "not slow"``) one
 after the other in fresh processes, and writes ``results/suite/suite_time.csv`` (tier, seconds,
-outcome line, exit status, failed tests) with ``meta.json`` (command, revision, machine, date). Run it on a quiet
-machine, alone; it takes as long as the two runs.
+outcome line, exit status, failed tests) with ``meta.json`` (command, revision, machine and its CPU's
+instruction sets, date). Run it on a quiet machine, alone; it takes as long as the two runs.
 
     python -m experiments.suite_time              # both tiers
     python -m experiments.suite_time --tiers fast # the fast tier only (the other row is kept)
@@ -21,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.provenance import ROOT, provenance
+from experiments.study_key import cpu_speed
 
 TIERS = {"all": ["-n", "2"], "fast": ["-m", "not slow", "-n", "2"]}
 """tier -> pytest arguments beyond ``-q``."""
@@ -48,7 +49,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "suite_time.csv"
     kept = pd.read_csv(path) if path.exists() else pd.DataFrame(columns=["tier"])
-    made = provenance()   # the revision the suite ran at, taken before it runs
+    # the revision the suite ran at, taken before it runs, and the CPU's instruction sets (its time
+    # depends on them as much as on the core count: torch's CPU kernels use AVX-512 where it exists)
+    made = provenance() | cpu_speed()
     rows = [time_tier(tier) for tier in args.tiers]
     table = pd.concat([kept[~kept.tier.isin(args.tiers)], pd.DataFrame(rows)], ignore_index=True)
     table.to_csv(path, index=False)
