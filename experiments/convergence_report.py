@@ -14,6 +14,11 @@ import pandas as pd
 from experiments.markdown import table
 
 
+def settings(values: dict) -> str:
+    """Optimizer settings as prose: "lr 0.001, betas (0.9, 0.95), ..." (meta.json keeps a tuple as a list)."""
+    return ", ".join(f"{name.replace('_', ' ')} {tuple(v) if isinstance(v, list) else v}" for name, v in values.items())
+
+
 def plot(out: Path, steps: pd.DataFrame, meta: dict) -> None:
     """convergence.png, a row per dtype: training loss (20-step running mean), validation loss, and
     |training loss - DDP's| per step on the same batches. DDP is black and dashed, drawn above the
@@ -73,7 +78,7 @@ def write_report(out: Path, summary: pd.DataFrame, meta: dict) -> list[dict]:
         "Another Python version ships other text, so compare numbers from the same interpreter only.",
         f"- **Model**: GPT-2-style decoder over bytes (`zero_ref.models.ParallelGPT` unsplit) {MODEL}, "
         f"{meta['params']:,} parameters, one seed for every run.",
-        f"- **Training**: AdamW {OPTIM}, weight decay on 2-D weights (embeddings and tied head included), none on biases "
+        f"- **Training**: AdamW ({settings(OPTIM)}), weight decay on 2-D weights (embeddings and tied head included), none on biases "
         "and LayerNorms (two parameter groups); linear warmup then cosine decay to 10% by "
         "`torch.optim.lr_scheduler.LambdaLR(engine.optimizer, ...)`; clipping at norm 1; world size 2 (gloo).",
         "- **Reference**: `DistributedDataParallel` + `torch.optim.AdamW`, the same groups, LambdaLR, `clip_grad_norm_`, "
