@@ -25,6 +25,7 @@ How long a run takes is recorded where it ran, never copied here: ``seconds`` in
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import json
 import multiprocessing
@@ -215,22 +216,28 @@ def plan(names: list[str], out: Path, quick: bool, force: bool) -> tuple[list[st
     keys = current_keys(out, quick)
     why = {name: changes(stored_key(out, name), keys[name]) for name in STUDIES}
     todo = [name for name in names if force or why[name]]
-    for name in names:   # a study that reads one rerun now goes stale with it: rerun it after
-        if name not in todo and set(READS.get(name, ())) & set(todo):
-            todo.append(name)
-            why[name] = why[name] or [f"reads: {', '.join(sorted(set(READS[name]) & set(todo)))} rerun now"]
+    added = True
+    while added:   # a study that reads one rerun now goes stale with it, and so on down the reads: rerun it after
+        added = False
+        for name in names:
+            if name not in todo and set(READS.get(name, ())) & set(todo):
+                todo.append(name)
+                why[name] = why[name] or [f"reads: {', '.join(sorted(set(READS[name]) & set(todo)))} rerun now"]
+                added = True
     redrawn = [name for name in names if name not in todo and name in REPORTS
                and changes(stored_key(out, name), keys[name], parts=("report",))]
     return todo, keys, why, redrawn
 
 
 def log_run(out: Path, meta: dict) -> None:
-    """Append ``meta`` (one run of reproduce: its command, revision, machine, date, the studies it
-    ran and its seconds) to ``out``/runs.jsonl, once: every run is kept there, none replaced."""
+    """Append ``meta`` (one run of reproduce: its command, revision, machine, start and end, the studies
+    it ran and its seconds) to ``out``/runs.jsonl, once: every run is kept there, none replaced. A run
+    is its whole record (two runs of one command may end in the same second: `started_utc` has
+    microseconds), so logging the same meta.json again adds nothing."""
     log = out / "runs.jsonl"
     runs = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    if not any(run.get("date_utc") == meta.get("date_utc") and run.get("command") == meta.get("command")
-               for run in runs):
+    meta = json.loads(json.dumps(meta))   # as it will read back
+    if meta not in runs:
         with open(log, "a") as handle:
             handle.write(json.dumps(meta) + "\n")
 
@@ -277,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
-    start = time.perf_counter()
+    start, started_utc = time.perf_counter(), datetime.datetime.now(datetime.timezone.utc).isoformat()
     names = args.only or [name for name in STUDIES if not (args.quick and name in FULL_ONLY)]
     if args.redraw:   # only these, from their tables; the keys are those their tables were made with
         keys, todo = current_keys(args.out), []
@@ -297,7 +304,8 @@ def main(argv: list[str] | None = None) -> dict:
     finally:   # what finished is kept, in REPORT.md too, even when a study failed
         why = {name: changes(stored_key(args.out, name), with_reads_now(name, keys[name], args.out))
                for name in STUDIES}   # a study that ran stored the reads it started with, not the planned ones
-        meta = provenance() | {"quick": args.quick, "seconds": round(time.perf_counter() - start, 1),
+        meta = provenance() | {"started_utc": started_utc, "quick": args.quick,
+                               "seconds": round(time.perf_counter() - start, 1),
                                "studies": sorted(name for name in todo if not why[name]), "registry": list(STUDIES),
                                "redrawn": to_redraw}
         (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")

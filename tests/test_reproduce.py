@@ -110,6 +110,23 @@ def test_a_study_that_reads_one_rerun_reruns_after_it(tmp_path):
         ["fragmentation", "zero_r", "throughput", "gpu", "memory_gap"]
 
 
+def test_a_rerun_reaches_the_readers_of_its_readers(tmp_path):
+    """throughput reruns; gpu reads it and memory_gap reads gpu, though memory_gap comes before gpu in
+    STUDIES: both are planned (one pass in STUDIES order once left memory_gap current-looking, and
+    stale right after the run)."""
+    from experiments import reproduce
+    from experiments.studies import current_keys
+
+    for name in ("fragmentation", "gpu", "memory_gap"):   # each current, with what it reads as it is now
+        (tmp_path / name).mkdir()
+        key = current_keys(tmp_path, quick=False)[name]
+        (tmp_path / name / "headline.json").write_text(json.dumps({"headline": [], "key": key}))
+    assert reproduce.plan(["memory_gap", "gpu"], tmp_path, False, force=False)[0] == []
+    todo, _, why, _ = reproduce.plan(["memory_gap", "throughput", "gpu"], tmp_path, False, force=False)
+    assert sorted(todo) == ["gpu", "memory_gap", "throughput"]
+    assert why["gpu"] == ["reads: throughput rerun now"] and why["memory_gap"] == ["reads: gpu rerun now"]
+
+
 def test_a_change_to_the_report_step_alone_redraws_from_the_tables(tmp_path, monkeypatch):
     """kernels has a report step (kernels_report): its files are the key's "report" part, out of
     what the study measures. Editing it plans a redraw, not a run; the redraw draws the kept tables,
