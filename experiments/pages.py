@@ -81,7 +81,12 @@ def _times(results: Path) -> dict:
     largest = max(full, key=lambda run: (len(run["studies"]), run["date_utc"])) if full else None
     suite = results / "suite" / "suite_time.csv"
     tiers = pd.read_csv(suite).set_index("tier").seconds.to_dict() if suite.exists() else {}
-    minutes = lambda s: f"about {s / 60:.0f} minutes" if s is not None else "time not yet measured"
+    def minutes(seconds: float | None) -> str:
+        if seconds is None:
+            return "time not yet measured"
+        whole = max(1, round(seconds / 60))
+        return f"about {whole} minute{'s' if whole != 1 else ''}"
+
     reproduce = minutes(None)
     if largest:
         count = len(largest["studies"])
